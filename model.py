@@ -1,0 +1,188 @@
+"""A Qwen3-like decoder whose sublayer loop asks a depth-routing policy (router.py) for each input.
+
+Architecture (Qwen3): token embedding, pre-norm RMSNorm, RoPE, grouped-query attention with per-head
+q/k RMSNorm applied before RoPE, SwiGLU MLP, no biases, optional tied embeddings. Parameter names and
+shapes are those of a Hugging Face Qwen3 state dict without its "model." prefix, so checkpoints map one to
+one; routers live in `routers.*`, so a baseline state dict fills every backbone weight of a routed model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from router import BLOCK_SOURCES, METHODS, DepthState, Router, depth_route, make_policy, rms_norm
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    d_ff: int = 1024
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    # depth routing (router.py)
+    residual: str = "baseline"          # one of router.METHODS
+    n_blocks: int = 4                   # blocks K for attnres / delta_block (K+1 sources with the partial)
+    block_source: str = "boundary"      # delta_block: "boundary" (correct) or "paper" (Fig. 3's formula)
+    include_partial: bool = True        # delta_block: the current partial block is a source
+    null_source: bool = False           # an extra zero source
+    gate: bool = False                  # zero-init scalar gate per receiver: exact identity at init
+
+    def __post_init__(self):
+        if self.residual not in METHODS:
+            raise ValueError(f"residual={self.residual!r}: allowed values are {', '.join(METHODS)}")
+        if self.block_source not in BLOCK_SOURCES:
+            raise ValueError(f"block_source={self.block_source!r}: allowed values are {', '.join(BLOCK_SOURCES)}")
+        if self.residual in ("attnres", "delta_block") and not 1 <= self.n_blocks <= self.n_layers:
+            raise ValueError(f"n_blocks={self.n_blocks}: allowed values are 1..n_layers={self.n_layers} "
+                             "(blocks are made of whole layers)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.residual == "baseline" and (self.gate or self.null_source):
+            raise ValueError("gate and null_source need a routed method; residual='baseline' has no routing")
+        if self.gate and self.residual in ("attnres", "full_attnres"):
+            raise ValueError(f"gate=True is for additive routing (delta, delta_block); {self.residual!r} "
+                             "replaces the sublayer input, so a zero gate would feed it zeros")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (T, head_dim), fp32, in Hugging Face's half-split layout. Computed per forward (it
+    is tiny) so a model built on the meta device needs no buffer re-initialisation."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                                   # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, T, hd): rotate pairs (i, i + hd/2) by position-dependent angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)  # per-head q/k norm, before RoPE
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)     # (B, H, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)              # (B, Hkv, T, hd)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """One transformer layer = two sublayers f_l, each with its own pre-norm. Each returns the output v_l
+    that is added to the residual stream; the depth state decides what each one reads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attention(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        return self.self_attn(self.input_layernorm(x), rope)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.policy = make_policy(cfg.residual, cfg.n_layers, cfg.n_blocks, cfg.block_source,
+                                  cfg.include_partial, cfg.null_source)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Routers sit at the root, not inside layers: they are tiny, and a block's reads may need the
+        # queries of several layers at once (which per-layer sharding would hide).
+        n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
+        self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate) for _ in range(n_receivers))
+        self.route = depth_route
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) matrices; the two projections that write into the stream scaled by
+        1/sqrt(2 L) so the stream's variance does not grow with depth; norms at one; routers as Router says."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                nn.init.normal_(p, mean=0.0, std=std * scale)
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.reset_parameters()
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def num_params(self) -> int:
+        """Unique parameters (a tied embedding counted once), embedding included, as the paper counts."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx (B, T) int64 -> logits (B, T, vocab_size)."""
+        h = self.embed_tokens(idx)                                              # (B, T, d)  e = h~_0
+        rope = rope_cos_sin(idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        state = DepthState(self.policy, self.routers, h, self.route, self.cfg.norm_eps)
+        for layer in self.layers:
+            state.add(layer.attention(state.input(), rope))
+            state.add(layer.feed_forward(state.input()))
+        return self.lm_head(self.norm(state.output()))
