@@ -1,0 +1,3 @@
+from configs.size_qwen3_8b import *  # noqa: F401,F403
+
+residual = "full_attnres"

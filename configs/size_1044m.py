@@ -1,0 +1,10 @@
+"""1044M (d=1280, L=36; head_dim 64, d_ff = 4d)."""
+from configs.paper import *  # noqa: F401,F403
+
+d_model = 1280
+n_layers = 36
+n_heads = 20
+n_kv_heads = 4
+head_dim = 64
+d_ff = 5120
+n_blocks = 8                 # about Kimi's 8 blocks: blocks of 4-5 layers

@@ -1,0 +1,20 @@
+"""The tiny model for the embedded corpus on a CPU: 8 layers (deep enough for depth routing to matter),
+d=128, byte-level Shakespeare. Trains in a few minutes on two cores."""
+vocab_size = 257             # data.ByteTokenizer: 256 bytes + end of text
+d_model = 128
+n_layers = 8
+n_heads = 4
+n_kv_heads = 2
+head_dim = 32
+d_ff = 384
+n_blocks = 4                 # blocks of 2 layers
+data = "shakespeare"
+batch_size = 16
+micro_batch_size = 16
+seq_len = 128
+lr = 3e-3
+warmup_steps = 50
+max_steps = 600
+eval_interval = 200
+eval_batches = 40
+log_interval = 50
