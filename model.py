@@ -155,7 +155,8 @@ class Model(nn.Module):
         # queries of several layers at once (which per-layer sharding would hide).
         n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
         self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate) for _ in range(n_receivers))
-        self.route = depth_route
+        self.route = depth_route        # the depth-routing implementation (Eq. 1)
+        self.routing_observer = None    # see router.DepthState; None costs nothing
         self.init_weights()
 
     @torch.no_grad()
@@ -181,7 +182,7 @@ class Model(nn.Module):
         """idx (B, T) int64 -> logits (B, T, vocab_size)."""
         h = self.embed_tokens(idx)                                              # (B, T, d)  e = h~_0
         rope = rope_cos_sin(idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        state = DepthState(self.policy, self.routers, h, self.route, self.cfg.norm_eps)
+        state = DepthState(self.policy, self.routers, h, self.route, self.cfg.norm_eps, self.routing_observer)
         for layer in self.layers:
             state.add(layer.attention(state.input(), rope))
             state.add(layer.feed_forward(state.input()))

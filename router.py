@@ -32,6 +32,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x.to(dtype)
 
 
+def depth_weights(values: Tensor, query: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """a_i of Eq. 1. values: (N, B, T, d) stacked sources; query, norm_weight: (d,) -> (N, B, T)."""
+    keys = rms_norm(values, norm_weight, eps)                    # (N, B, T, d)  RMSNorm_g(s_i)
+    logits = keys @ query                                        # (N, B, T)     e_i = w . key_i
+    return logits.softmax(dim=0)                                 # (N, B, T)     a_i, over depth
+
+
 def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float = 1e-6) -> Tensor:
     """The explicit reference of Eq. 1. sources: N tensors (B, T, d); query, norm_weight: (d,) -> (B, T, d).
 
@@ -39,9 +46,7 @@ def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: 
     """
     dtype = torch.promote_types(sources[0].dtype, torch.float32)
     values = torch.stack(sources).to(dtype)                      # (N, B, T, d)  s_i
-    keys = rms_norm(values, norm_weight.to(dtype), eps)          # (N, B, T, d)  RMSNorm_g(s_i)
-    logits = keys @ query.to(dtype)                              # (N, B, T)     e_i = w . key_i
-    weights = logits.softmax(dim=0)                              # (N, B, T)     a_i, over depth
+    weights = depth_weights(values, query.to(dtype), norm_weight.to(dtype), eps)  # (N, B, T)
     out = (weights.unsqueeze(-1) * values).sum(dim=0)            # (B, T, d)     r = sum_i a_i s_i
     return out.to(sources[0].dtype)
 
@@ -121,10 +126,13 @@ class DepthState:
 
     It keeps the ordinary residual stream h~ (the sum of the embedding and every output so far), the
     committed sources, and the partial: the sum of outputs since the last commit (None when empty).
+    `observer`, if given, is called as observer(receiver_index, sources, router) before each read (eval.py
+    records routing weights this way); it must not modify anything.
     """
 
-    def __init__(self, policy: Policy, routers: nn.ModuleList, embedding: Tensor, route, eps: float):
-        self.policy, self.routers, self.route, self.eps = policy, routers, route, eps
+    def __init__(self, policy: Policy, routers: nn.ModuleList, embedding: Tensor, route, eps: float,
+                 observer=None):
+        self.policy, self.routers, self.route, self.eps, self.observer = policy, routers, route, eps, observer
         self.h = embedding                    # (B, T, d) h~_0 = e
         self.sources = [embedding]            # s_0 = e
         self.partial: Tensor | None = None    # sum of outputs since the last commit
@@ -147,7 +155,10 @@ class DepthState:
         return srcs
 
     def read(self, router: Router) -> Tensor:
-        return self.route(self.candidates(), router.query, router.norm_weight, self.eps)
+        sources = self.candidates()
+        if self.observer is not None:
+            self.observer(self.l, sources, router)
+        return self.route(sources, router.query, router.norm_weight, self.eps)
 
     def input(self) -> Tensor:
         """The input of sublayer l: h~ (baseline), h~ + g r (additive) or r (replacement)."""

@@ -80,11 +80,13 @@ def _check_type(key: str, value, typ: type):
     return value
 
 
-def load_config(argv: list[str]) -> tuple[ModelConfig, TrainConfig]:
-    """argv: [CONFIG.py] [--key=value ...] -> (ModelConfig, TrainConfig), each field type-checked."""
-    types = {f.name: f.type for cls in (ModelConfig, TrainConfig) for f in fields(cls)}
-    types = {k: {"int": int, "float": float, "bool": bool, "str": str}[t] if isinstance(t, str) else t
-             for k, t in types.items()}
+def load_config(argv: list[str], classes: tuple = (ModelConfig, None)) -> tuple:
+    """argv: [CONFIG.py] [--key=value ...] -> one instance per dataclass in `classes` (default: ModelConfig,
+    TrainConfig), each field type-checked; a key that belongs to none of them is an error."""
+    classes = tuple(TrainConfig if c is None else c for c in classes)
+    owner = {f.name: cls for cls in classes for f in fields(cls)}
+    names = {"int": int, "float": float, "bool": bool, "str": str}
+    types = {f.name: names.get(f.type, f.type) for cls in classes for f in fields(cls)}
     values: dict[str, object] = {}
     args = list(argv)
     if args and not args[0].startswith("--"):
@@ -105,10 +107,7 @@ def load_config(argv: list[str]) -> tuple[ModelConfig, TrainConfig]:
         if key not in types:
             raise _unknown(key, types)
     values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
-    model_keys = ModelConfig.field_names()
-    model_cfg = ModelConfig(**{k: v for k, v in values.items() if k in model_keys})
-    train_cfg = TrainConfig(**{k: v for k, v in values.items() if k not in model_keys})
-    return model_cfg, train_cfg
+    return tuple(cls(**{k: v for k, v in values.items() if owner[k] is cls}) for cls in classes)
 
 
 def _unknown(key: str, types: dict) -> KeyError:
@@ -190,9 +189,16 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-def train(model_cfg: ModelConfig, cfg: TrainConfig) -> dict:
-    """Run training; returns {"losses": [...], "val_loss": float, "val_ppl": float}."""
+def train(model_cfg: ModelConfig, cfg: TrainConfig, model: Model | None = None,
+          groups: list[dict] | None = None) -> dict:
+    """Run training; returns {"losses": [...], "val_loss", "val_ppl", "step"}.
+
+    model: start from this model (e.g. a converted pretrained one) instead of a fresh Model(model_cfg).
+    groups: optimizer parameter groups; a group's "lr_scale" multiplies the scheduled learning rate.
+    """
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    if cfg.keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints={cfg.keep_checkpoints}: at least 1 is needed to resume")
     if cfg.batch_size % cfg.micro_batch_size:
         raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
     grad_accum = cfg.batch_size // cfg.micro_batch_size
@@ -215,8 +221,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> dict:
     val_loader = data.ShardLoader(directory, "val", cfg.micro_batch_size, cfg.seq_len, shuffle=False)
 
     torch.manual_seed(cfg.seed)
-    model = Model(model_cfg).to(device)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    model = (model or Model(model_cfg)).to(device)
+    optimizer = torch.optim.AdamW(groups or param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   fused=device.type == "cuda")
     step = 0
     if ckpt is not None:
@@ -246,7 +252,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> dict:
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum = 0.0
         for _ in range(grad_accum):
             x, y = (t.to(device) for t in train_loader.next_batch())
