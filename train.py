@@ -151,7 +151,7 @@ def evaluate(model: Model, loader: data.ShardLoader, n_batches: int, autocast, d
     """Mean token loss over the first n_batches of the held-out split (the same batches every time)."""
     model.eval()
     loader.reset()
-    n_batches = max(1, min(n_batches, loader.n_windows // loader.batch_size))
+    n_batches = max(1, min(n_batches, loader.batches_per_epoch))
     total = 0.0
     for _ in range(n_batches):
         x, y = (t.to(device) for t in loader.next_batch())
