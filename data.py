@@ -340,28 +340,39 @@ class ShardLoader:
     token is a target exactly once, and no window crosses a shard boundary. Each epoch orders all window ids
     (a permutation seeded by (seed, epoch), or in order), global batch g takes ids [g*B*W, (g+1)*B*W), and
     rank r takes the r-th block of B of them. Thus the ranks together read exactly the batch a single process
-    with batch B*W would read, and the state (epoch, index) is the same on every rank.
+    with batch B*W would read, and the state (epoch, position) is the same on every rank.
+
+    step_batch: sequences per optimizer step over all ranks (a multiple of B*W; default B*W). An epoch ends
+    after a whole number of steps, so the windows of every step do not depend on how the step is split into
+    ranks and micro-batches, and a run can resume under another world size.
     """
 
     def __init__(self, data_dir: str, split: str, batch_size: int, seq_len: int, *,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
+                 rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 step_batch: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        global_batch = batch_size * world_size
+        step_batch = step_batch or global_batch
+        if step_batch % global_batch:
+            raise ValueError(f"step_batch={step_batch} is not a multiple of batch_size x world_size = "
+                             f"{batch_size} x {world_size}")
         pattern = os.path.join(data_dir, f"{split}_*.bin")
         paths = sorted(glob.glob(pattern))
         if not paths:
             raise FileNotFoundError(f"no token shards match {pattern}")
         self.shards = [read_shard(p) for p in paths]
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.step_batch = seed, shuffle, step_batch
         windows = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards])
         self.first_window = np.concatenate([[0], np.cumsum(windows)])  # window id where each shard begins
         self.n_windows = int(self.first_window[-1])
-        global_batch = batch_size * world_size
-        if self.n_windows < global_batch:
+        if self.n_windows < step_batch:
             raise ValueError(f"split {split!r} in {data_dir} has {self.n_windows} windows of {seq_len + 1} tokens, "
-                             f"fewer than one global batch of {batch_size} x {world_size} ranks")
-        self.batches_per_epoch = self.n_windows // global_batch
+                             f"fewer than one global batch of {step_batch} ({batch_size} x {world_size} ranks"
+                             f"{f' x {step_batch // global_batch} micro-batches' if step_batch > global_batch else ''})")
+        self.batches_per_epoch = self.n_windows // step_batch * (step_batch // global_batch)
+        self.last_ids = np.zeros(0, dtype=np.int64)  # window ids of the latest batch of this rank
         self.reset()
 
     def reset(self) -> None:
@@ -382,23 +393,30 @@ class ShardLoader:
         offsets = (ids - self.first_window[shard]) * self.T
         spans = np.stack([self.shards[s][o:o + self.T + 1] for s, o in zip(shard, offsets)]).astype(np.int64)
         spans = torch.from_numpy(spans)  # (B, T+1)
+        self.last_ids = ids
         self.index += 1
-        if self.index == self.batches_per_epoch:  # the rest of this epoch's windows cannot fill a global batch
+        if self.index == self.batches_per_epoch:  # the rest of this epoch's windows cannot fill a step
             self.epoch, self.index = self.epoch + 1, 0
         return spans[:, :-1].contiguous(), spans[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle,
-                "seq_len": self.T, "global_batch": self.B * self.world_size, "n_windows": self.n_windows}
+        """Plain data (JSON-able). position counts the windows all ranks have consumed in this epoch."""
+        return {"epoch": self.epoch, "position": self.index * self.B * self.world_size, "seed": self.seed,
+                "shuffle": self.shuffle, "seq_len": self.T, "step_batch": self.step_batch,
+                "n_windows": self.n_windows}
 
     def load_state_dict(self, state: dict) -> None:
         # The window order depends on these; resuming under different ones would not continue the same stream.
-        # (world_size may change as long as the global batch stays the same.)
-        for key, mine in (("shuffle", self.shuffle), ("seq_len", self.T),
-                          ("global_batch", self.B * self.world_size), ("n_windows", self.n_windows)):
+        # (world size and micro-batch may change as long as the step batch stays the same.)
+        for key, mine in (("shuffle", self.shuffle), ("seq_len", self.T), ("step_batch", self.step_batch),
+                          ("n_windows", self.n_windows)):
             if state[key] != mine:
                 raise ValueError(f"loader state has {key}={state[key]} but this loader has {key}={mine}")
-        self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
+        global_batch = self.B * self.world_size
+        if state["position"] % global_batch:
+            raise ValueError(f"loader state is at window {state['position']} of its epoch, inside a batch of "
+                             f"{self.B} x {self.world_size} ranks: resume at a step boundary")
+        self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["position"] // global_batch
         self._order_epoch = None
 
 

@@ -283,7 +283,7 @@ def test_loader_deterministic_shuffle(two_shards):
 def test_loader_epoch_rollover(two_shards):
     loader = data.ShardLoader(two_shards, "train", batch_size=5, seq_len=T)  # 2 batches per epoch, 2 left over
     epoch0 = torch.cat([x for x, _ in _batches(loader, 2)])
-    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["index"] == 0
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 0
     assert len(set(epoch0[:, 0].tolist())) == 10
     epoch1 = torch.cat([x for x, _ in _batches(loader, 2)])
     assert not torch.equal(epoch0, epoch1)  # a fresh permutation
@@ -300,8 +300,36 @@ def test_loader_resume(two_shards):
     resumed.load_state_dict(state)
     for (x, y), (rx, ry) in zip(expected, _batches(resumed, 5)):
         assert torch.equal(x, rx) and torch.equal(y, ry)
-    with pytest.raises(ValueError, match="global_batch"):
+    with pytest.raises(ValueError, match="step_batch"):
         data.ShardLoader(two_shards, "train", batch_size=2, seq_len=T).load_state_dict(state)
+
+
+def test_loader_step_batch_ends_epochs_on_whole_steps(two_shards):
+    # 12 windows hold one step of 8: the epoch ends after its 2 micro-batches of 4, not after 3.
+    loader = data.ShardLoader(two_shards, "train", batch_size=4, seq_len=T, step_batch=8)
+    assert loader.batches_per_epoch == 2
+    _batches(loader, 2)
+    assert loader.state_dict()["epoch"] == 1
+    with pytest.raises(ValueError, match="step_batch=6 is not a multiple of batch_size x world_size = 4 x 1"):
+        data.ShardLoader(two_shards, "train", batch_size=4, seq_len=T, step_batch=6)
+
+
+def test_loader_resumes_under_another_world_size(two_shards):
+    # Saved by one process reading steps of 4 as micro-batches of 2; resumed by 2 ranks with micro-batch 1.
+    single = data.ShardLoader(two_shards, "train", batch_size=2, seq_len=T, seed=5, step_batch=4)
+    _batches(single, 4)
+    state = single.state_dict()
+    expected = torch.cat([x for x, _ in _batches(single, 6)])
+    ranks = [data.ShardLoader(two_shards, "train", batch_size=1, seq_len=T, seed=5, rank=r, world_size=2,
+                              step_batch=4) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    rows = torch.cat([torch.cat([r.next_batch()[0] for r in ranks]) for _ in range(6)])
+    assert torch.equal(rows, expected)
+    odd = data.ShardLoader(two_shards, "train", batch_size=2, seq_len=T, step_batch=4)
+    odd.next_batch()
+    with pytest.raises(ValueError, match="resume at a step boundary"):
+        data.ShardLoader(two_shards, "train", batch_size=4, seq_len=T, step_batch=4).load_state_dict(odd.state_dict())
 
 
 def test_loader_ranks_split_the_global_batch(two_shards):
@@ -315,6 +343,7 @@ def test_loader_ranks_split_the_global_batch(two_shards):
         assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
         seen.append(set(x0[:, 0].tolist()) | set(x1[:, 0].tolist()))
         assert set(x0[:, 0].tolist()).isdisjoint(x1[:, 0].tolist())
+        assert set(ranks[0].last_ids.tolist()).isdisjoint(ranks[1].last_ids.tolist())
     assert len(set.union(*seen[:3])) == 12  # within an epoch no window is read twice, by any rank
 
 
