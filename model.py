@@ -17,6 +17,17 @@ from torch import Tensor
 
 from router import BLOCK_SOURCES, METHODS, DepthState, Router, depth_route, make_policy, rms_norm
 
+KERNELS = ("auto", "triton", "reference")
+
+
+def uses_kernel(kernel: str, device: torch.device) -> bool:
+    """The one dispatch point between the Triton kernels (kernels/) and the reference (router.py): "auto"
+    uses the kernels for CUDA tensors and the reference elsewhere; "triton" and "reference" force either
+    ("triton" on CPU needs TRITON_INTERPRET=1, which is how the tests run it)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: allowed values are {', '.join(KERNELS)}")
+    return device.type == "cuda" if kernel == "auto" else kernel == "triton"
+
 
 @dataclass
 class ModelConfig:
@@ -38,10 +49,13 @@ class ModelConfig:
     include_partial: bool = True        # delta_block: the current partial block is a source
     null_source: bool = False           # an extra zero source
     gate: bool = False                  # zero-init scalar gate per receiver: exact identity at init
+    kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
 
     def __post_init__(self):
         if self.residual not in METHODS:
             raise ValueError(f"residual={self.residual!r}: allowed values are {', '.join(METHODS)}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}: allowed values are {', '.join(KERNELS)}")
         if self.block_source not in BLOCK_SOURCES:
             raise ValueError(f"block_source={self.block_source!r}: allowed values are {', '.join(BLOCK_SOURCES)}")
         if self.residual in ("attnres", "delta_block") and not 1 <= self.n_blocks <= self.n_layers:
@@ -122,8 +136,9 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    """One transformer layer = two sublayers f_l, each with its own pre-norm. Each returns the output v_l
-    that is added to the residual stream; the depth state decides what each one reads."""
+    """One transformer layer = two sublayers f_l (input_layernorm -> self_attn, post_attention_layernorm ->
+    mlp). Each returns the output v_l that is added to the residual stream; the depth state decides what each
+    one reads, and applies its pre-norm (so the kernel path can fuse the read with it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -131,12 +146,6 @@ class Layer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
-
-    def attention(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-        return self.self_attn(self.input_layernorm(x), rope)
-
-    def feed_forward(self, x: Tensor) -> Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
 
 
 class Model(nn.Module):
@@ -155,7 +164,7 @@ class Model(nn.Module):
         # queries of several layers at once (which per-layer sharding would hide).
         n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
         self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate) for _ in range(n_receivers))
-        self.route = depth_route        # the depth-routing implementation (Eq. 1)
+        self.route = depth_route        # Eq. 1 on the reference path (the kernel path reads with kernels/)
         self.routing_observer = None    # see router.DepthState; None costs nothing
         self.init_weights()
 
@@ -182,8 +191,17 @@ class Model(nn.Module):
         """idx (B, T) int64 -> logits (B, T, vocab_size)."""
         h = self.embed_tokens(idx)                                              # (B, T, d)  e = h~_0
         rope = rope_cos_sin(idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        state = DepthState(self.policy, self.routers, h, self.route, self.cfg.norm_eps, self.routing_observer)
+        state = self.depth_state(h)
         for layer in self.layers:
-            state.add(layer.attention(state.input(), rope))
-            state.add(layer.feed_forward(state.input()))
-        return self.lm_head(self.norm(state.output()))
+            state.add(layer.self_attn(state.input(layer.input_layernorm), rope))
+            state.add(layer.mlp(state.input(layer.post_attention_layernorm)))
+        return self.lm_head(state.output(self.norm))
+
+    def depth_state(self, embedding: Tensor) -> DepthState:
+        """The routing state of one forward pass: the reference, or the kernels' memory-lean state (the
+        baseline has nothing to route and always takes the plain path)."""
+        args = (self.policy, self.routers, embedding, self.route, self.cfg.norm_eps, self.routing_observer)
+        if self.policy.read != "none" and uses_kernel(self.cfg.kernel, embedding.device):
+            from kernels.lean import LeanDepthState  # lazily: Triton decides at import whether to interpret
+            return LeanDepthState(*args)
+        return DepthState(*args)

@@ -160,18 +160,23 @@ class DepthState:
             self.observer(self.l, sources, router)
         return self.route(sources, router.query, router.norm_weight, self.eps)
 
-    def input(self) -> Tensor:
-        """The input of sublayer l: h~ (baseline), h~ + g r (additive) or r (replacement)."""
+    def commit(self) -> None:
+        """Before sublayer l reads: at a boundary the partial becomes a committed source."""
         if self.l in self.policy.boundaries and self.partial is not None:
             self.sources.append(self.new_source())
             self.partial = None
+
+    def input(self, norm: nn.Module | None = None) -> Tensor:
+        """The input of sublayer l: h~ (baseline), h~ + g r (additive) or r (replacement), passed through the
+        sublayer's pre-norm if one is given (the kernel path fuses the read with that norm)."""
+        self.commit()
         if self.policy.read == "none":
-            return self.h
-        router = self.routers[self.l]
-        r = self.read(router)
-        if self.policy.read == "replace":
-            return r
-        return self.h + (r if router.gate is None else router.gate * r)
+            x = self.h
+        else:
+            router = self.routers[self.l]
+            r = self.read(router)
+            x = r if self.policy.read == "replace" else self.h + (r if router.gate is None else router.gate * r)
+        return x if norm is None else norm(x)
 
     def add(self, v: Tensor) -> None:
         """Hand over sublayer l's output v_l: h~_{l+1} = h~_l + v_l (never h^_l + v_l)."""
@@ -180,8 +185,8 @@ class DepthState:
             self.partial = v if self.partial is None else self.partial + v
         self.l += 1
 
-    def output(self) -> Tensor:
-        """The input of the final norm: the stream, or a final read over every source (AttnRes)."""
-        if not self.policy.final_read:
-            return self.h
-        return self.read(self.routers[self.l])
+    def output(self, norm: nn.Module | None = None) -> Tensor:
+        """The input of the final norm (or its output, if `norm` is given): the stream, or a final read over
+        every source (AttnRes)."""
+        x = self.read(self.routers[self.l]) if self.policy.final_read else self.h
+        return x if norm is None else norm(x)

@@ -1,0 +1,228 @@
+"""Triton kernels for Eq. 1 (depth routing), forward and backward, behind router.depth_route's signature.
+
+Per token (a row of d values), with u = query * norm_weight (the query and norm weight fold into one vector):
+
+    rstd_i = rsqrt(mean(s_i^2) + eps)       e_i = rstd_i (s_i . u)       r = sum_i softmax_i(e) s_i
+
+Memory-lean by construction:
+- the sources are read in place through a table of their addresses (no stacked copy of the N sources);
+- the forward is one pass with an online softmax and saves only the log-sum-exp per token (4 bytes/token);
+- the backward recomputes the normalised keys: pass 1 gets D = grad . r = sum_i a_i (grad . s_i), pass 2
+  writes each source's gradient and accumulates the query's.
+
+Besides the N sources the kernels take two optional extras, used by the model's fused path (kernels/lean.py):
+a "difference" source h - base (Delta Block's partial block, recomputed from two tensors that are saved
+anyway instead of being saved itself) and a null source (an all-zero source: logit 0, value 0, never stored).
+
+Everything accumulates in fp32; sources may be fp32, bf16 or fp16; d need not be a power of two.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# The kernels are written flat (no @triton.jit helpers): under TRITON_INTERPRET every helper call costs
+# milliseconds, which the CPU test budget cannot afford. Candidate i < n_src is read through the address
+# table; candidate n_src (when HAS_DIFF) is h - base.
+
+@triton.jit
+def _route_fwd(src_table, like, h_ptr, base_ptr, u_ptr, out_ptr, lse_ptr, n_src, M, d, eps,
+               HAS_DIFF: tl.constexpr, HAS_NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < d)[None, :]
+    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]                  # (BLOCK_M, BLOCK_D)
+    u = tl.load(u_ptr + cols, mask=cols < d, other=0.0)                     # (BLOCK_D,) fp32 folded query
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
+    l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(e - m)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(e - m) s
+    for i in range(n_src + HAS_DIFF):
+        if i < n_src:
+            ptr = tl.load(src_table + i).to(tl.pointer_type(like.dtype.element_ty))
+            s = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                 - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        e = tl.sum(s * u[None, :], axis=1) * tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)   # (BLOCK_M,) logit
+        m_new = tl.maximum(m, e)
+        alpha = tl.exp(m - m_new)         # rescales what was accumulated under the old max
+        p = tl.exp(e - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * s
+        m = m_new
+    if HAS_NULL:                          # logit 0, value 0: only the normaliser changes
+        m_new = tl.maximum(m, 0.0)
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.exp(-m_new)
+        acc = acc * alpha[:, None]
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+
+
+@triton.jit
+def _route_bwd(src_table, grad_table, like, h_ptr, base_ptr, dpart_ptr, u_ptr, go_ptr, lse_ptr, du_ptr,
+               n_src, M, d, eps,
+               HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < d)[None, :]
+    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    u = tl.load(u_ptr + cols, mask=cols < d, other=0.0)
+    go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)       # (BLOCK_M, BLOCK_D) dL/dr
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term (the null source adds 0)
+    D = tl.zeros((BLOCK_M,), tl.float32)
+    for i in range(n_src + HAS_DIFF):
+        if i < n_src:
+            ptr = tl.load(src_table + i).to(tl.pointer_type(like.dtype.element_ty))
+            s = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                 - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        e = tl.sum(s * u[None, :], axis=1) * tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
+        D += tl.exp(e - lse) * tl.sum(go * s, axis=1)
+    # pass 2, keys recomputed: a = exp(e - lse); de = a (go . s - D); ds = a go + de rstd (u - e rstd s / d);
+    # du = sum over rows and sources of de rstd s
+    du = tl.zeros((BLOCK_D,), tl.float32)
+    for i in range(n_src + HAS_DIFF):
+        if i < n_src:
+            ptr = tl.load(src_table + i).to(tl.pointer_type(like.dtype.element_ty))
+            s = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                 - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
+        e = tl.sum(s * u[None, :], axis=1) * rstd
+        a = tl.exp(e - lse)
+        de_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
+        ds = a[:, None] * go + de_rstd[:, None] * (u[None, :] - (e * rstd / d)[:, None] * s)
+        du += tl.sum(de_rstd[:, None] * s, axis=0)
+        if i < n_src:
+            gptr = tl.load(grad_table + i).to(tl.pointer_type(like.dtype.element_ty))
+            tl.store(gptr + offs, ds.to(like.dtype.element_ty), mask=mask)
+        else:
+            tl.store(dpart_ptr + offs, ds.to(dpart_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + pid * BLOCK_D + cols, du)                            # one partial sum per program
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+
+def _interpreting() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_route_fwd, InterpretedFunction)
+
+
+def _check(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
+           diff: tuple[Tensor, Tensor] | None) -> list[Tensor]:
+    """Validate the inputs; return the sources made contiguous (a copy only of those that are not)."""
+    if not sources:
+        raise ValueError("depth_route needs at least one source")
+    first = sources[0]
+    if first.dim() != 3:
+        raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(first.shape)}")
+    for name, t in [(f"sources[{i}]", s) for i, s in enumerate(sources)] + (
+            [("diff[0]", diff[0]), ("diff[1]", diff[1])] if diff is not None else []):
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)} on {t.device}; every source must match "
+                             f"sources[0]: {first.dtype} {tuple(first.shape)} on {first.device}")
+    if first.dtype not in DTYPES:
+        raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
+                         f"got {first.dtype} (the reference router.depth_route takes any float dtype)")
+    d = first.shape[-1]
+    if query.shape != (d,) or norm_weight.shape != (d,):
+        raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
+    if first.device.type == "cpu" and not _interpreting():
+        raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
+                           "to run them on CPU, or use kernel='reference'")
+    return [s.contiguous() for s in sources]
+
+
+def _blocks(d: int) -> tuple[int, int, int]:
+    """BLOCK_D covers a whole row (the norm needs it); BLOCK_M rows per program keep ~8K fp32 in flight."""
+    block_d = triton.next_power_of_2(d)
+    block_m = max(1, min(64, 8192 // block_d))
+    return block_m, block_d, 8 if block_d >= 2048 else 4
+
+
+def _table(tensors: list[Tensor], device: torch.device) -> Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
+                  diff: tuple[Tensor, Tensor] | None = None, null: bool = False) -> tuple[Tensor, Tensor]:
+    """r (B, T, d) in the sources' dtype and the softmax's log-sum-exp (B*T,) fp32.
+
+    The candidates are `sources`, then diff[0] - diff[1] if given, then a zero source if `null`."""
+    sources = _check(sources, query, norm_weight, diff)
+    first = sources[0]
+    M, d = first.numel() // first.shape[-1], first.shape[-1]
+    h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
+    u = (query.float() * norm_weight.float()).contiguous()                 # (d,) folded query
+    out = torch.empty_like(first)
+    lse = torch.empty(M, dtype=torch.float32, device=first.device)
+    table = _table(sources, first.device)
+    block_m, block_d, warps = _blocks(d)
+    _route_fwd[(triton.cdiv(M, block_m),)](
+        table, first, h, base, u, out, lse, len(sources), M, d, eps,
+        HAS_DIFF=diff is not None, HAS_NULL=null, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return out, lse
+
+
+def route_backward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float, grad_out: Tensor,
+                   lse: Tensor, diff: tuple[Tensor, Tensor] | None = None
+                   ) -> tuple[list[Tensor], Tensor | None, Tensor]:
+    """Gradients of the sources, of the difference source (None without one) and of u = query * norm_weight
+    (fp32 (d,)). The null source has no gradient; its weight is in lse."""
+    sources = _check(sources, query, norm_weight, diff)
+    first = sources[0]
+    M, d = first.numel() // first.shape[-1], first.shape[-1]
+    h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
+    u = (query.float() * norm_weight.float()).contiguous()
+    grads = [torch.empty_like(first) for _ in sources]
+    dpart = torch.empty_like(first) if diff is not None else first
+    block_m, block_d, warps = _blocks(d)
+    grid = triton.cdiv(M, block_m)
+    du = torch.empty(grid, block_d, dtype=torch.float32, device=first.device)
+    _route_bwd[(grid,)](
+        _table(sources, first.device), _table(grads, first.device), first, h, base, dpart, u,
+        grad_out.contiguous(), lse, du, len(sources), M, d, eps,
+        HAS_DIFF=diff is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return grads, (dpart if diff is not None else None), du.sum(0)[:d]
+
+
+# ---------------------------------------------------------------------------------------- autograd + public
+
+class DepthRoute(torch.autograd.Function):
+    """Eq. 1 with the kernels; saves the sources by reference and the per-token log-sum-exp only."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, *sources: Tensor) -> Tensor:
+        out, lse = route_forward(list(sources), query, norm_weight, eps)
+        ctx.save_for_backward(query, norm_weight, lse, *sources)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        query, norm_weight, lse, *sources = ctx.saved_tensors
+        grads, _, du = route_backward(sources, query, norm_weight, ctx.eps, grad_out, lse)
+        # e = rstd * sum_k s_k w_k g_k: dL/dw = du * g, dL/dg = du * w
+        return ((du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype), None,
+                *grads)
+
+
+def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """Eq. 1 on the Triton kernels. sources: N tensors (B, T, d); query, norm_weight: (d,) -> (B, T, d).
+
+    Same signature and result as router.depth_route (accumulation in fp32, output in the sources' dtype)."""
+    return DepthRoute.apply(query, norm_weight, eps, *sources)
