@@ -278,7 +278,8 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     """Tokenise ft.text with the checkpoint's tokenizer.json into token shards in out_dir (once).
 
     A stamp file records the tokenizer's hash and the text settings; shards made otherwise are an error, not
-    silently reused. Under torchrun, rank 0 prepares and the other ranks wait for the stamp.
+    silently reused. Under torchrun, rank 0 prepares and the other ranks wait for the stamp (so out_dir must
+    be on a file system all ranks see).
     """
     tokenizer = os.path.join(ft.init_from, "tokenizer.json")
     if not os.path.isfile(tokenizer):
@@ -286,11 +287,11 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     with open(tokenizer, "rb") as f:
         stamp = {"tokenizer_sha256": hashlib.sha256(f.read()).hexdigest(), "text": ft.text,
                  "max_tokens": ft.text_max_tokens, "val_docs": ft.text_val_docs}
-    stamp_path = os.path.join(out_dir, "finetune_text.json")
-    if rank != 0:
-        while not os.path.isfile(stamp_path):
+    stamp_path, meta_path = os.path.join(out_dir, "finetune_text.json"), os.path.join(out_dir, "meta.json")
+    if rank != 0:  # the stamp is written last, so shards and meta.json are complete once it exists
+        while not (os.path.isfile(stamp_path) and os.path.isfile(meta_path)):
             time.sleep(5)
-    if os.path.isfile(os.path.join(out_dir, "meta.json")):
+    if os.path.isfile(meta_path):
         found = "unknown settings"
         if os.path.isfile(stamp_path):
             with open(stamp_path) as f:
@@ -299,6 +300,8 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
             raise ValueError(f"data={out_dir} holds shards prepared from {found}, not {stamp}: "
                              "choose another data= folder or delete it")
         return data.load_meta(out_dir)
+    if os.path.isfile(stamp_path):  # left by an interrupted preparation; must not release the other ranks
+        os.remove(stamp_path)
     texts = None if ft.text == "fineweb" else read_texts(ft.text)
     meta = data.prepare_fineweb(out_dir, tokenizer=tokenizer, tokenizer_path=tokenizer, texts=texts,
                                 max_tokens=ft.text_max_tokens or None, val_docs=ft.text_val_docs)
@@ -401,7 +404,6 @@ def main(argv: list[str]) -> dict:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "log.jsonl"), "a") as f:
             f.write(json.dumps(entry) + "\n")
-        model.train()
     return train.train(model.cfg, cfg, model=model, groups=groups)
 
 

@@ -276,12 +276,25 @@ def test_prepared_text_is_not_reused_with_other_settings(ckpts, corpus, tmp_path
     meta = finetune.prepare_text(ft, str(tmp_path / "d"))
     assert meta["n_val_docs"] == 10 and meta["n_train_docs"] == 50 and meta["tokenizer_path"].endswith("tokenizer.json")
     assert finetune.prepare_text(ft, str(tmp_path / "d")) == meta
+    assert finetune.prepare_text(ft, str(tmp_path / "d"), rank=1) == meta  # other ranks: reuse, never prepare
     ft.text_val_docs = 5
     with pytest.raises(ValueError, match="holds shards prepared from"):
         finetune.prepare_text(ft, str(tmp_path / "d"))
     ft.text_val_docs = 60
     with pytest.raises(ValueError, match="both splits need text"):
         finetune.prepare_text(ft, str(tmp_path / "e"))
+
+
+def test_read_texts(tmp_path):
+    (tmp_path / "a.txt").write_text("one whole document\n\nstill the same one")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "second"}) + "\n\n" + json.dumps({"text": "third"}) + "\n")
+    assert list(finetune.read_texts(str(tmp_path))) == ["one whole document\n\nstill the same one", "second", "third"]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"c\.jsonl:2: expected a JSON object with a string field 'text'"):
+        list(finetune.read_texts(str(tmp_path / "c.jsonl")))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match="expected a .txt or .jsonl file"):
+        list(finetune.read_texts(str(tmp_path / "x.csv")))
 
 
 def test_cli_errors(ckpts, corpus, tmp_path):
