@@ -1,0 +1,223 @@
+"""The Triton depth-routing kernels against the fp32 reference (router.depth_route), the fused lean path against
+the reference path, and the kernel dispatch. Without CUDA the kernels run under Triton's interpreter."""
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # must be set before triton decorates the kernels
+
+import pytest  # noqa: E402
+
+from kernels.depth_route import depth_route  # noqa: E402
+from kernels.lean import LeanDepthState, routed_norm  # noqa: E402
+from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
+from router import DepthState, Router, rms_norm  # noqa: E402
+from router import depth_route as reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Outputs the kernels allocate start as NaN, so memory a kernel forgets to write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
+
+
+def make_inputs(n, d, dtype, B=2, T=7, seed=0):
+    """n sources of different scales (so rstd matters), a query large enough for peaked weights."""
+    g = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(B, T, d, generator=g) * (0.5 + i % 3)).to(DEVICE, dtype).requires_grad_()
+               for i in range(n)]
+    query = (torch.randn(d, generator=g) * 0.3).to(DEVICE).requires_grad_()
+    norm_weight = (1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE).requires_grad_()
+    grad_out = torch.randn(B, T, d, generator=g).to(DEVICE, dtype)
+    return sources, query, norm_weight, grad_out
+
+
+def assert_close(got, want, rtol, atol_scale):
+    """Elementwise |got - want| <= rtol |want| + atol_scale * max|want|: relative to the tensor's own scale,
+    so sums over many tokens (the query's gradient) and values near zero are held to the same standard."""
+    assert not got.isnan().any(), "unwritten (NaN) elements"
+    got, want = got.double(), want.double()
+    scale = want.abs().max().clamp_min(1e-30)
+    err = (got - want).abs() - rtol * want.abs()
+    assert err.max() <= atol_scale * scale, f"max excess error {err.max():.3e} at scale {scale:.3e}"
+
+
+# fp32: both paths accumulate in fp32 in a different order: 1e-5 of the tensor's scale.
+# bf16: the reference upcasts to fp32 and rounds its results to bf16 once (<= 0.5 ulp); the kernels round
+# the same fp32 values, but the interpreter's fp32->bf16 cast truncates (< 1 ulp), so results may differ by
+# 1.5 bf16 ulp = 1.5 * 2^-7 relative; we allow 2 ulp (2^-6). The query and norm weight gradients are fp32 sums
+# in both paths and keep the fp32 tolerance.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -6, 1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 96, 200])
+@pytest.mark.parametrize("n", [1, 2, 7, 25])
+def test_kernel_matches_reference(n, d, dtype, nan_empty):
+    sources, query, norm_weight, grad_out = make_inputs(n, d, dtype, seed=n * 1000 + d)
+    want = reference(sources, query, norm_weight)
+    want_grads = torch.autograd.grad(want, [*sources, query, norm_weight], grad_out)
+    got = depth_route(sources, query, norm_weight)
+    got_grads = torch.autograd.grad(got, [*sources, query, norm_weight], grad_out)
+    assert got.dtype == want.dtype == dtype
+    rtol, atol = TOL[dtype]
+    assert_close(got, want, rtol, atol)
+    for i, (g, w) in enumerate(zip(got_grads[:n], want_grads[:n])):
+        assert g.dtype == dtype, i
+        assert_close(g, w, rtol, atol)
+    for g, w in zip(got_grads[n:], want_grads[n:]):   # query, norm weight
+        assert_close(g, w, 1e-5, 1e-5)
+
+
+def test_kernel_takes_non_contiguous_sources():
+    sources, query, norm_weight, _ = make_inputs(3, 64, torch.float32)
+    strided = [s.detach().transpose(1, 2).contiguous().transpose(1, 2) for s in sources]  # (B, T, d), d-stride T
+    assert not strided[0].is_contiguous()
+    assert_close(depth_route(strided, query, norm_weight), reference(sources, query, norm_weight), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda s: [s[0], s[1][:, :3]], r"sources\[1\] is .* every source must match"),
+    (lambda s: [x.double() for x in s], "take sources of dtype"),
+    (lambda s: [x[0] for x in s], r"sources must be \(B, T, d\)"),
+    (lambda s: [], "at least one source"),
+])
+def test_kernel_rejects_bad_sources(bad, message):
+    sources, query, norm_weight, _ = make_inputs(2, 64, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        depth_route(bad([s.detach() for s in sources]), query, norm_weight)
+    with pytest.raises(ValueError, match=r"must be \(64,\)"):
+        depth_route(sources, query[:32], norm_weight)
+
+
+def test_kernel_on_cpu_without_interpreter_says_how_to_run():
+    code = ("import torch; from kernels.depth_route import depth_route; "
+            "depth_route([torch.ones(1, 1, 4)], torch.ones(4), torch.ones(4))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "set TRITON_INTERPRET=1" in run.stderr
+
+
+# ------------------------------------------------------------------------------ the fused read + pre-norm
+
+@pytest.mark.parametrize("mode", ["add", "add_gate_diff_null", "replace"])
+def test_routed_norm_matches_reference_composition(mode, nan_empty):
+    """RMSNorm(h + gate r) / RMSNorm(r), r read over sources [+ (h - base)] [+ zeros], forward and every
+    gradient (h, base, sources, query, norm weight, gate, norm weight of the pre-norm)."""
+    n, d = 3, 96
+    sources, _, _, grad_out = make_inputs(n + 2, d, torch.float32, seed=7)
+    h, base, sources = sources[0], sources[1], sources[2:]
+    router = Router(d, gate="gate" in mode).to(DEVICE)
+    norm = RMSNorm(d, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        router.query.normal_(0, 0.3)
+        router.norm_weight.uniform_(0.5, 1.5)
+        norm.weight.uniform_(0.5, 1.5)
+        if router.gate is not None:
+            router.gate.fill_(0.7)
+    diff, null = "diff" in mode, "null" in mode
+    candidates = sources + ([h - base] if diff else []) + ([torch.zeros_like(h)] if null else [])
+    r = reference(candidates, router.query, router.norm_weight)
+    x = r if mode == "replace" else h + (r if router.gate is None else router.gate * r)
+    want = rms_norm(x, norm.weight, norm.eps)
+    got = routed_norm(None if mode == "replace" else h, sources, router, norm, 1e-6, base if diff else None, null)
+    leaves = [*sources, router.query, router.norm_weight, norm.weight] + ([h] if mode != "replace" else []) \
+        + ([base] if diff else []) + ([router.gate] if router.gate is not None else [])
+    assert_close(got, want, 1e-5, 1e-5)
+    for g, w in zip(torch.autograd.grad(got, leaves, grad_out), torch.autograd.grad(want, leaves, grad_out)):
+        assert_close(g, w, 1e-5, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------- whole model
+
+TINY = dict(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96)
+METHODS = [dict(residual="attnres", n_blocks=2), dict(residual="full_attnres", null_source=True),
+           dict(residual="delta"), dict(residual="delta", null_source=True, gate=True),
+           dict(residual="delta_block", n_blocks=2), dict(residual="delta_block", n_blocks=2, block_source="paper"),
+           dict(residual="delta_block", n_blocks=2, include_partial=False)]
+
+
+def loss_and_grads(routed, kernel, idx):
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**TINY, **routed, kernel=kernel)).to(DEVICE)
+    with torch.no_grad():                       # routers away from their init, so every path is exercised
+        for r in model.routers:
+            r.query.normal_(0, 1.0)
+            r.norm_weight.uniform_(0.5, 1.5)
+            if r.gate is not None:
+                r.gate.fill_(0.7)
+    loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("routed", METHODS, ids=lambda r: "-".join(map(str, r.values())))
+def test_model_with_kernels_matches_reference(routed):
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    loss, grads = loss_and_grads(routed, "triton", idx)
+    want_loss, want_grads = loss_and_grads(routed, "reference", idx)
+    # fp32 rounding differs between the paths (and Delta Block's partial is h~ - block start in the kernel
+    # path, a running sum in the reference); backward through the layers amplifies it. Gradients that are
+    # rounding noise themselves (a receiver with one source has a zero query gradient in exact arithmetic)
+    # are held to the scale of the model's gradients, not their own.
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_dispatch():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not uses_kernel("auto", cpu) and uses_kernel("auto", cuda)
+    assert uses_kernel("triton", cpu) and not uses_kernel("reference", cuda)
+    h = torch.zeros(1, 2, TINY["d_model"], device=DEVICE)
+    auto = Model(ModelConfig(**TINY, residual="delta"))
+    assert type(auto.depth_state(h)) is (LeanDepthState if DEVICE.type == "cuda" else DepthState)
+    assert type(Model(ModelConfig(**TINY, residual="delta", kernel="triton")).depth_state(h)) is LeanDepthState
+    assert type(Model(ModelConfig(**TINY, residual="delta", kernel="reference")).depth_state(h)) is DepthState
+    assert type(Model(ModelConfig(**TINY, kernel="triton")).depth_state(h)) is DepthState   # nothing to route
+    for bad in (lambda: ModelConfig(**TINY, kernel="cuda"), lambda: uses_kernel("Triton", cpu)):
+        with pytest.raises(ValueError, match="allowed values are auto, triton, reference"):
+            bad()
+
+
+def test_observer_sees_the_same_candidates_on_both_paths():
+    idx = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    seen = {}
+    for kernel in ("triton", "reference"):
+        torch.manual_seed(0)
+        model = Model(ModelConfig(**TINY, residual="delta_block", n_blocks=2, null_source=True, kernel=kernel))
+        calls = seen[kernel] = []
+        model.routing_observer = lambda l, sources, router: calls.append((l, [s.detach() for s in sources]))
+        model.to(DEVICE)(idx)
+    assert [l for l, _ in seen["triton"]] == [l for l, _ in seen["reference"]] == list(range(8))
+    for (_, got), (_, want) in zip(seen["triton"], seen["reference"]):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_at_1044m_shape_on_gpu():
+    """The compiled kernels at the benchmark's shape: d=1280, N=73, 2x1024 tokens, bf16."""
+    sources, query, norm_weight, grad_out = make_inputs(73, 1280, torch.bfloat16, B=2, T=1024)
+    got = depth_route(sources, query, norm_weight)
+    want = reference(sources, query, norm_weight)
+    # on the GPU the cast rounds, so kernel and reference differ by at most 1 bf16 ulp
+    assert_close(got, want, 2 ** -7, 1e-5)
+    for g, w in zip(torch.autograd.grad(got, [*sources, query], grad_out),
+                    torch.autograd.grad(want, [*sources, query], grad_out)):
+        assert_close(g, w, 2 ** -7, 1e-4)
