@@ -10,7 +10,9 @@ Model, tensor by tensor, and adds routers at their initialisation. The fine-tuni
 loop with separate optimizer groups: routers at router_lr_scale x the backbone's lr and no weight decay.
 Before the first step it measures how far the converted model is from the pretrained one (the same
 weights with routing switched off) on the first validation batch. With gate=True the difference is exactly
-0; the paper's zero query without a gate is not an identity (PAPER.md section 5), and the log says so.
+0. The paper's zero query without a gate is not an identity (PAPER.md section 5) and the log says so: with
+boundary block sources the read is c * h~ and only RMSNorm's eps changes the logits (a small difference);
+with the paper's Fig. 3 sources the difference is large.
 """
 from __future__ import annotations
 
@@ -371,7 +373,7 @@ def describe_step0(entry: dict, residual: str) -> str:
     verdict = ("the init is an exact identity" if entry["init_is_identity"] else
                f"the init is NOT an identity: residual={residual!r} changes the pretrained model's logits")
     return (f"step 0 | max |logit diff| vs pretrained {entry['init_max_abs_logit_diff']:.3e} ({verdict}) | "
-            f"val loss pretrained {entry['val_loss_pretrained']:.4f} converted {entry['val_loss_converted']:.4f}")
+            f"val loss pretrained {entry['val_loss_pretrained']:.5f} converted {entry['val_loss_converted']:.5f}")
 
 
 def routing_overrides(model_cfg: ModelConfig) -> dict:
@@ -395,6 +397,10 @@ def main(argv: list[str]) -> dict:
     model = load_hf_qwen3(ft.init_from, **routing_overrides(model_cfg))
     prepare_text(ft, cfg.data, rank)
     groups = finetune_param_groups(model, cfg, ft)
+    if rank == 0:
+        print(f"fine-tuning {ft.init_from}: " + ", ".join(
+            f"{sum(p.numel() for p in g['params']):,} params at lr {cfg.lr * g.get('lr_scale', 1.0):.2e} "
+            f"(weight decay {g['weight_decay']})" for g in groups))
     if rank == 0 and not cfg.resume:
         use_cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
         # the GPU train() will use on this rank (distributed.setup's rule)
