@@ -147,11 +147,14 @@ def _check(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
     return [s.contiguous() for s in sources]
 
 
-def _blocks(d: int) -> tuple[int, int, int]:
-    """BLOCK_D covers a whole row (the norm needs it); BLOCK_M rows per program keep ~8K fp32 in flight."""
+def _blocks(M: int, d: int) -> tuple[int, int, int]:
+    """BLOCK_D covers a whole row (the norm needs it); BLOCK_M rows per program keep ~8K fp32 in flight on a
+    GPU. The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and
+    larger programs are much faster."""
     block_d = triton.next_power_of_2(d)
-    block_m = max(1, min(64, 8192 // block_d))
-    return block_m, block_d, 8 if block_d >= 2048 else 4
+    if _interpreting():
+        return min(triton.next_power_of_2(M), 256), block_d, 4
+    return max(1, min(64, 8192 // block_d)), block_d, 8 if block_d >= 2048 else 4
 
 
 def _table(tensors: list[Tensor], device: torch.device) -> Tensor:
@@ -171,7 +174,7 @@ def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps
     out = torch.empty_like(first)
     lse = torch.empty(M, dtype=torch.float32, device=first.device)
     table = _table(sources, first.device)
-    block_m, block_d, warps = _blocks(d)
+    block_m, block_d, warps = _blocks(M, d)
     _route_fwd[(triton.cdiv(M, block_m),)](
         table, first, h, base, u, out, lse, len(sources), M, d, eps,
         HAS_DIFF=diff is not None, HAS_NULL=null, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
@@ -190,7 +193,7 @@ def route_backward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, ep
     u = (query.float() * norm_weight.float()).contiguous()
     grads = [torch.empty_like(first) for _ in sources]
     dpart = torch.empty_like(first) if diff is not None else first
-    block_m, block_d, warps = _blocks(d)
+    block_m, block_d, warps = _blocks(M, d)
     grid = triton.cdiv(M, block_m)
     du = torch.empty(grid, block_d, dtype=torch.float32, device=first.device)
     _route_bwd[(grid,)](

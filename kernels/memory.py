@@ -1,0 +1,84 @@
+"""Saved-for-backward memory of one training step, per method, relative to the baseline. Deterministic, CPU.
+
+    TRITON_INTERPRET=1 python -m kernels.memory            (the kernel path needs the interpreter on CPU)
+
+Activation memory is what autograd keeps between forward and backward. We count it exactly: every tensor
+saved for backward passes through torch.autograd.graph.saved_tensors_hooks; we add up the bytes of the unique
+storages behind them (a tensor saved by several ops, or several views of one buffer, count once), leaving out
+the parameters (every method keeps those anyway). The model has the 1044M configuration's proportions
+(36 layers, 8 blocks, d_ff = 4 d, 5 query heads per KV head) with a small width, vocabulary and sequence, so
+the kernel path runs under the interpreter in about a minute. The baseline is the plain model.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from model import Model, ModelConfig
+
+SCALED_1044M = dict(vocab_size=256, d_model=160, n_layers=36, n_heads=5, n_kv_heads=1, head_dim=32, d_ff=640,
+                    n_blocks=8)
+METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
+TARGETS = {"delta_block": 1.05, "delta": 1.25}   # kernel path, relative to the baseline
+
+
+def saved_bytes(model: Model, idx: torch.Tensor) -> int:
+    """Bytes of the unique non-parameter storages saved for backward by one forward pass and the loss."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t          # kept alive by the graph, so no address is reused while we count
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(idx)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+    return sum(storages.values())
+
+
+def measure(methods: tuple[str, ...] = METHODS, kernels: tuple[str, ...] = ("reference", "triton"),
+            batch: int = 1, seq_len: int = 64, **overrides) -> dict[str, dict[str, int]]:
+    """{kernel: {method: saved bytes}} for a step on `batch` x `seq_len` tokens of the scaled 1044M model."""
+    idx = torch.randint(0, SCALED_1044M["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    results: dict[str, dict[str, int]] = {}
+    for kernel in kernels:
+        results[kernel] = {}
+        for method in methods:
+            torch.manual_seed(0)
+            model = Model(ModelConfig(**{**SCALED_1044M, **overrides, "residual": method, "kernel": kernel}))
+            results[kernel][method] = saved_bytes(model, idx)
+    return results
+
+
+def report(results: dict[str, dict[str, int]], n_tokens: int, n_layers: int) -> str:
+    base = results["reference"]["baseline"]
+    lines = [f"saved for backward, relative to the baseline ({base / n_tokens / n_layers:,.0f} bytes per token "
+             f"per layer, {base / 2 ** 20:.1f} MiB in all, {n_tokens} tokens, {n_layers} layers, fp32)",
+             f"{'method':<14}" + "".join(f"{k:>12}" for k in results) + f"{'target':>10}"]
+    for method in results["reference"]:
+        target = f"<= {TARGETS[method]:.2f}" if method in TARGETS else ""
+        lines.append(f"{method:<14}" + "".join(f"{r[method] / base:>11.3f}x" for r in results.values())
+                     + f"{target:>10}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    kernels = ("reference", "triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("TRITON_INTERPRET is not 1: the kernel path cannot run on CPU; showing the reference path only")
+        kernels = ("reference",)
+    results = measure(kernels=kernels, batch=args.batch, seq_len=args.seq_len)
+    print(report(results, args.batch * args.seq_len, SCALED_1044M["n_layers"]))
+
+
+if __name__ == "__main__":
+    main()
