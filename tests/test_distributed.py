@@ -1,0 +1,192 @@
+"""train.py under `torchrun --nproc_per_node=2` (gloo on CPU): DDP equals one process, FSDP2 equals DDP,
+exact resume from a sharded checkpoint (also on another world size), disjoint rank windows, and a time
+budget that stops every rank at the same step.
+
+One torchrun launch runs every two-rank training (each launch costs seconds of start-up); this file is also
+that launch's worker (`__main__` below). The single-process references run in the pytest process.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import data
+import distributed
+import train
+from model import ModelConfig
+
+SMALL = dict(d_model=32, n_layers=3, n_blocks=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+MAX_STEPS, SAVE_AT = 5, 2
+# Global batch 8: one process reads micro-batches of 8; two ranks read micro-batches of 2 with 2-step
+# gradient accumulation, so the no-sync path and the final reduction are both exercised.
+TRAIN = dict(seq_len=32, batch_size=8, micro_batch_size=2, max_steps=MAX_STEPS, eval_batches=2, log_interval=1,
+             eval_interval=1000, warmup_steps=2, lr=3e-3, device="cpu")
+
+
+def configs(residual: str, out_dir: str, **overrides) -> tuple[ModelConfig, train.TrainConfig]:
+    return ModelConfig(residual=residual, **SMALL), train.TrainConfig(out_dir=str(out_dir), **{**TRAIN, **overrides})
+
+
+class WindowSpy:
+    """Records the window ids every training-loader batch read, per optimizer step (shuffled loaders only)."""
+
+    def __init__(self, monkeypatch_setattr):
+        self.ids: list[int] = []
+        original = data.ShardLoader.next_batch
+
+        def next_batch(loader):
+            batch = original(loader)
+            if loader.shuffle:
+                self.ids.extend(loader.last_ids.tolist())
+            return batch
+        monkeypatch_setattr(data.ShardLoader, "next_batch", next_batch)
+
+
+# --------------------------------------------------------------------------------------- the worker
+
+def worker(out_dir: str) -> None:
+    """Runs on each of 2 ranks; rank 0 writes results.json."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict = {}
+
+    def run(name: str, residual: str, **overrides) -> None:
+        result = train.train(*configs(residual, os.path.join(out_dir, name), **overrides))
+        results[name] = {"losses": result["losses"], "val_loss": result["val_loss"], "step": result["step"]}
+
+    spy = WindowSpy(lambda obj, attr, value: setattr(obj, attr, value))
+    run("ddp_baseline", "baseline")
+    windows = [None, None]
+    dist.all_gather_object(windows, spy.ids)
+    results["windows"] = windows
+    run("ddp_delta_block", "delta_block")
+    run("fsdp_delta_block", "delta_block", parallel="fsdp", activation_checkpointing=True, ckpt_interval=SAVE_AT,
+        keep_checkpoints=5)
+    # Resume the FSDP run from its step-SAVE_AT checkpoint, as if it had died just after saving it.
+    resumed = os.path.join(out_dir, "fsdp_resumed")
+    if rank == 0:
+        os.makedirs(resumed)
+        shutil.copytree(os.path.join(out_dir, "fsdp_delta_block", f"ckpt_{SAVE_AT:07d}"),
+                        os.path.join(resumed, f"ckpt_{SAVE_AT:07d}"))
+    dist.barrier()
+    run("fsdp_resumed", "delta_block", parallel="fsdp", resume=True)
+    run("ddp_delta", "delta")
+    run("fsdp_delta", "delta", parallel="fsdp")
+
+    # Rank 1's clock runs 10 s per reading: only it reaches the 30 s budget, yet both ranks must stop together
+    # (a rank that went on alone would wait forever in the next collective).
+    if rank == 1:
+        fake = iter(range(0, 10 ** 6, 10))
+        train.time = type("FastClock", (), {"time": staticmethod(lambda: float(next(fake)))})
+    run("budget", "baseline", max_steps=50, time_budget_s=30.0)
+    steps = [None, None]
+    dist.all_gather_object(steps, results["budget"]["step"])
+    results["budget_steps"] = steps
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
+
+
+# ---------------------------------------------------------------------------------------- the tests
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[dict, str]:
+    out = str(tmp_path_factory.mktemp("torchrun"))
+    train.data_dir(train.TrainConfig())  # prepare the corpus once, before two processes look for it
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), out]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"torchrun failed after {time.time() - t0:.0f}s:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f), out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """Single-process runs with the same global batch (micro-batch 8, no accumulation), and their windows."""
+    out = tmp_path_factory.mktemp("single")
+    results = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for residual in ("baseline", "delta_block"):
+            spy = WindowSpy(mp.setattr)
+            results[residual] = train.train(*configs(residual, out / residual, micro_batch_size=8))
+            results[residual]["windows"] = spy.ids
+    return results
+
+
+@pytest.mark.parametrize("residual", ["baseline", "delta_block"])
+def test_ddp_matches_one_process(two_ranks, single, residual):
+    results, _ = two_ranks
+    ddp = results[f"ddp_{residual}"]
+    assert len(ddp["losses"]) == MAX_STEPS
+    assert ddp["losses"] == pytest.approx(single[residual]["losses"], abs=1e-5, rel=0)
+    assert ddp["val_loss"] == pytest.approx(single[residual]["val_loss"], abs=1e-5, rel=0)
+    assert ddp["losses"][-1] < ddp["losses"][0] - 0.05  # it trains: the comparison is not between constants
+
+
+@pytest.mark.parametrize("residual", ["delta", "delta_block"])
+def test_fsdp_matches_ddp(two_ranks, residual):
+    results, _ = two_ranks
+    assert results[f"fsdp_{residual}"]["losses"] == pytest.approx(results[f"ddp_{residual}"]["losses"], abs=1e-4, rel=0)
+
+
+def test_rank_windows_are_disjoint_and_make_the_global_batch(two_ranks, single):
+    results, _ = two_ranks
+    rank0, rank1 = results["windows"]
+    per_step = TRAIN["batch_size"] // 2  # each rank's share of one step
+    for s in range(MAX_STEPS):
+        mine0, mine1 = rank0[s * per_step:(s + 1) * per_step], rank1[s * per_step:(s + 1) * per_step]
+        assert len(set(mine0)) == len(mine0) == per_step and set(mine0).isdisjoint(mine1)
+        step_ids = single["baseline"]["windows"][s * 2 * per_step:(s + 1) * 2 * per_step]
+        assert sorted(mine0 + mine1) == sorted(step_ids)
+
+
+def test_fsdp_resume_reproduces_the_uninterrupted_run(two_ranks):
+    results, out = two_ranks
+    full, resumed = results["fsdp_delta_block"], results["fsdp_resumed"]
+    assert resumed["step"] == MAX_STEPS and len(resumed["losses"]) == MAX_STEPS - SAVE_AT
+    assert resumed["losses"] == pytest.approx(full["losses"][SAVE_AT:], abs=1e-6, rel=0)
+    names = [os.path.basename(p) for p in train.checkpoint_paths(os.path.join(out, "fsdp_delta_block"))]
+    assert names == [f"ckpt_{SAVE_AT:07d}", f"ckpt_{2 * SAVE_AT:07d}", f"ckpt_{MAX_STEPS:07d}"]
+
+
+def test_sharded_checkpoint_resumes_on_one_process(two_ranks, tmp_path):
+    results, out = two_ranks
+    os.makedirs(tmp_path / "run")
+    shutil.copytree(os.path.join(out, "fsdp_delta_block", f"ckpt_{SAVE_AT:07d}"), tmp_path / "run" / f"ckpt_{SAVE_AT:07d}")
+    resumed = train.train(*configs("delta_block", tmp_path / "run", micro_batch_size=4, resume=True))
+    assert resumed["losses"] == pytest.approx(results["fsdp_delta_block"]["losses"][SAVE_AT:], abs=1e-5, rel=0)
+
+
+def test_consolidated_checkpoint_has_the_single_file_format(two_ranks, single, tmp_path):
+    _, out = two_ranks
+    sharded = os.path.join(out, "fsdp_delta_block", f"ckpt_{MAX_STEPS:07d}")
+    path = distributed.consolidate(sharded, str(tmp_path / "full.pt"))
+    full = train.load_checkpoint(path)
+    ddp_file = train.load_checkpoint(os.path.join(out, "ddp_delta_block", f"ckpt_{MAX_STEPS:07d}.pt"))
+    assert set(full) == set(ddp_file) == {"model", "optimizer", "loader", "step", "model_config", "train_config"}
+    assert full["step"] == MAX_STEPS and full["loader"] == ddp_file["loader"]
+    assert set(full["optimizer"]["state"]) == set(ddp_file["optimizer"]["state"])
+    for name, tensor in ddp_file["model"].items():
+        assert full["model"][name].shape == tensor.shape, name
+        torch.testing.assert_close(full["model"][name], tensor, atol=1e-3, rtol=0)  # same run up to fp32 sums
+
+
+def test_time_budget_stops_every_rank_at_the_same_step(two_ranks):
+    results, _ = two_ranks
+    step0, step1 = results["budget_steps"]
+    assert step0 == step1 < 50
