@@ -14,7 +14,9 @@ Besides the N sources the kernels take two optional extras, used by the model's 
 a "difference" source h - base (Delta Block's partial block, recomputed from two tensors that are saved
 anyway instead of being saved itself) and a null source (an all-zero source: logit 0, value 0, never stored).
 
-Everything accumulates in fp32; sources may be fp32, bf16 or fp16; d need not be a power of two.
+Everything accumulates in fp32; d need not be a power of two. Sources may be fp32, bf16 or fp16, and may mix
+two of these (under autocast the embedding is fp32 and the sublayer outputs bf16): the kernels read them
+through one address table per dtype. The read-out has sources[0]'s dtype, as in the reference.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # The kernels are written flat (no @triton.jit helpers): under TRITON_INTERPRET every helper call costs
-# milliseconds, which the CPU test budget cannot afford. Candidate i < n_src is read through the address
-# table; candidate n_src (when HAS_DIFF) is h - base.
+# milliseconds, which the CPU test budget cannot afford. Candidate i is read, for i < n_a, through table_a
+# (element type of like_a), for n_a <= i < n_a + n_b through table_b (like_b), and the last one, when
+# HAS_DIFF, is h - base. n_total counts them all.
 
 @triton.jit
-def _route_fwd(src_table, like, h_ptr, base_ptr, u_ptr, out_ptr, lse_ptr, n_src, M, d, eps,
-               HAS_DIFF: tl.constexpr, HAS_NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _route_fwd(table_a, like_a, n_a, table_b, like_b, n_b, h_ptr, base_ptr, u_ptr, out_ptr, lse_ptr,
+               n_total, M, d, eps, HAS_NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
@@ -42,10 +45,13 @@ def _route_fwd(src_table, like, h_ptr, base_ptr, u_ptr, out_ptr, lse_ptr, n_src,
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
     l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(e - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(e - m) s
-    for i in range(n_src + HAS_DIFF):
-        if i < n_src:
-            ptr = tl.load(src_table + i).to(tl.pointer_type(like.dtype.element_ty))
-            s = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for i in range(n_total):
+        if i < n_a:
+            ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
+            s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
+        elif i < n_a + n_b:
+            ptr_b = tl.load(table_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
+            s = tl.load(ptr_b + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                  - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
@@ -68,9 +74,8 @@ def _route_fwd(src_table, like, h_ptr, base_ptr, u_ptr, out_ptr, lse_ptr, n_src,
 
 
 @triton.jit
-def _route_bwd(src_table, grad_table, like, h_ptr, base_ptr, dpart_ptr, u_ptr, go_ptr, lse_ptr, du_ptr,
-               n_src, M, d, eps,
-               HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _route_bwd(table_a, grads_a, like_a, n_a, table_b, grads_b, like_b, n_b, h_ptr, base_ptr, dpart_ptr,
+               u_ptr, go_ptr, lse_ptr, du_ptr, n_total, M, d, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -82,10 +87,13 @@ def _route_bwd(src_table, grad_table, like, h_ptr, base_ptr, dpart_ptr, u_ptr, g
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term (the null source adds 0)
     D = tl.zeros((BLOCK_M,), tl.float32)
-    for i in range(n_src + HAS_DIFF):
-        if i < n_src:
-            ptr = tl.load(src_table + i).to(tl.pointer_type(like.dtype.element_ty))
-            s = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for i in range(n_total):
+        if i < n_a:
+            ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
+            s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
+        elif i < n_a + n_b:
+            ptr_b = tl.load(table_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
+            s = tl.load(ptr_b + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                  - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
@@ -94,10 +102,13 @@ def _route_bwd(src_table, grad_table, like, h_ptr, base_ptr, dpart_ptr, u_ptr, g
     # pass 2, keys recomputed: a = exp(e - lse); de = a (go . s - D); ds = a go + de rstd (u - e rstd s / d);
     # du = sum over rows and sources of de rstd s
     du = tl.zeros((BLOCK_D,), tl.float32)
-    for i in range(n_src + HAS_DIFF):
-        if i < n_src:
-            ptr = tl.load(src_table + i).to(tl.pointer_type(like.dtype.element_ty))
-            s = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for i in range(n_total):
+        if i < n_a:
+            ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
+            s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
+        elif i < n_a + n_b:
+            ptr_b = tl.load(table_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
+            s = tl.load(ptr_b + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                  - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
@@ -107,15 +118,18 @@ def _route_bwd(src_table, grad_table, like, h_ptr, base_ptr, dpart_ptr, u_ptr, g
         de_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
         ds = a[:, None] * go + de_rstd[:, None] * (u[None, :] - (e * rstd / d)[:, None] * s)
         du += tl.sum(de_rstd[:, None] * s, axis=0)
-        if i < n_src:
-            gptr = tl.load(grad_table + i).to(tl.pointer_type(like.dtype.element_ty))
-            tl.store(gptr + offs, ds.to(like.dtype.element_ty), mask=mask)
+        if i < n_a:
+            gptr_a = tl.load(grads_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
+            tl.store(gptr_a + offs, ds.to(like_a.dtype.element_ty), mask=mask)
+        elif i < n_a + n_b:
+            gptr_b = tl.load(grads_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
+            tl.store(gptr_b + offs, ds.to(like_b.dtype.element_ty), mask=mask)
         else:
             tl.store(dpart_ptr + offs, ds.to(dpart_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + pid * BLOCK_D + cols, du)                            # one partial sum per program
 
 
-# ----------------------------------------------------------------------------------------------- launchers
+# ---------------------------------------------------------------------------------------------- launchers
 
 def _interpreting() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
@@ -130,14 +144,17 @@ def _check(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
     first = sources[0]
     if first.dim() != 3:
         raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(first.shape)}")
-    for name, t in [(f"sources[{i}]", s) for i, s in enumerate(sources)] + (
-            [("diff[0]", diff[0]), ("diff[1]", diff[1])] if diff is not None else []):
-        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)} on {t.device}; every source must match "
-                             f"sources[0]: {first.dtype} {tuple(first.shape)} on {first.device}")
-    if first.dtype not in DTYPES:
-        raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
-                         f"got {first.dtype} (the reference router.depth_route takes any float dtype)")
+    named = [(f"sources[{i}]", s) for i, s in enumerate(sources)]
+    named += [("diff[0]", diff[0]), ("diff[1]", diff[1])] if diff is not None else []
+    for name, t in named:
+        if t.shape != first.shape or t.device != first.device:
+            raise ValueError(f"{name} is {tuple(t.shape)} on {t.device}; every source must match sources[0]: "
+                             f"{tuple(first.shape)} on {first.device}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
+                             f"{name} is {t.dtype} (the reference router.depth_route takes any float dtype)")
+    if len({s.dtype for s in sources}) > 2:
+        raise ValueError(f"the sources mix {len({s.dtype for s in sources})} dtypes; the kernels read at most two")
     d = first.shape[-1]
     if query.shape != (d,) or norm_weight.shape != (d,):
         raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
@@ -145,6 +162,12 @@ def _check(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
         raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
                            "to run them on CPU, or use kernel='reference'")
     return [s.contiguous() for s in sources]
+
+
+def _groups(sources: list[Tensor]) -> tuple[list[int], list[int]]:
+    """Indices of the sources with sources[0]'s dtype, and of the others (one other dtype at most)."""
+    a = [i for i, s in enumerate(sources) if s.dtype == sources[0].dtype]
+    return a, [i for i in range(len(sources)) if i not in set(a)]
 
 
 def _blocks(M: int, d: int) -> tuple[int, int, int]:
@@ -158,48 +181,54 @@ def _blocks(M: int, d: int) -> tuple[int, int, int]:
 
 
 def _table(tensors: list[Tensor], device: torch.device) -> Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+    """(len,) int64 addresses; an empty group gets a one-entry table that the kernel never reads."""
+    return torch.tensor([t.data_ptr() for t in tensors] or [0], dtype=torch.int64, device=device)
 
 
 def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
                   diff: tuple[Tensor, Tensor] | None = None, null: bool = False) -> tuple[Tensor, Tensor]:
-    """r (B, T, d) in the sources' dtype and the softmax's log-sum-exp (B*T,) fp32.
+    """r (B, T, d) in sources[0]'s dtype and the softmax's log-sum-exp (B*T,) fp32.
 
     The candidates are `sources`, then diff[0] - diff[1] if given, then a zero source if `null`."""
     sources = _check(sources, query, norm_weight, diff)
-    first = sources[0]
+    first, dev = sources[0], sources[0].device
     M, d = first.numel() // first.shape[-1], first.shape[-1]
+    a, b = _groups(sources)
+    src_a, src_b = [sources[i] for i in a], [sources[i] for i in b]
     h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
     u = (query.float() * norm_weight.float()).contiguous()                 # (d,) folded query
     out = torch.empty_like(first)
-    lse = torch.empty(M, dtype=torch.float32, device=first.device)
-    table = _table(sources, first.device)
+    lse = torch.empty(M, dtype=torch.float32, device=dev)
     block_m, block_d, warps = _blocks(M, d)
     _route_fwd[(triton.cdiv(M, block_m),)](
-        table, first, h, base, u, out, lse, len(sources), M, d, eps,
-        HAS_DIFF=diff is not None, HAS_NULL=null, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+        _table(src_a, dev), first, len(a), _table(src_b, dev), (src_b or src_a)[0], len(b), h, base, u, out, lse,
+        len(sources) + (diff is not None), M, d, eps,
+        HAS_NULL=null, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     return out, lse
 
 
 def route_backward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float, grad_out: Tensor,
                    lse: Tensor, diff: tuple[Tensor, Tensor] | None = None
                    ) -> tuple[list[Tensor], Tensor | None, Tensor]:
-    """Gradients of the sources, of the difference source (None without one) and of u = query * norm_weight
-    (fp32 (d,)). The null source has no gradient; its weight is in lse."""
+    """Gradients of the sources (each in its dtype), of the difference source (None without one) and of
+    u = query * norm_weight (fp32 (d,)). The null source has no gradient; its weight is in lse."""
     sources = _check(sources, query, norm_weight, diff)
-    first = sources[0]
+    first, dev = sources[0], sources[0].device
     M, d = first.numel() // first.shape[-1], first.shape[-1]
+    a, b = _groups(sources)
+    src_a, src_b = [sources[i] for i in a], [sources[i] for i in b]
+    grads = [torch.empty_like(s) for s in sources]
     h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
+    dpart = torch.empty_like(h) if diff is not None else first
     u = (query.float() * norm_weight.float()).contiguous()
-    grads = [torch.empty_like(first) for _ in sources]
-    dpart = torch.empty_like(first) if diff is not None else first
     block_m, block_d, warps = _blocks(M, d)
     grid = triton.cdiv(M, block_m)
-    du = torch.empty(grid, block_d, dtype=torch.float32, device=first.device)
+    du = torch.empty(grid, block_d, dtype=torch.float32, device=dev)
     _route_bwd[(grid,)](
-        _table(sources, first.device), _table(grads, first.device), first, h, base, dpart, u,
-        grad_out.contiguous(), lse, du, len(sources), M, d, eps,
-        HAS_DIFF=diff is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+        _table(src_a, dev), _table([grads[i] for i in a], dev), first, len(a),
+        _table(src_b, dev), _table([grads[i] for i in b], dev), (src_b or src_a)[0], len(b),
+        h, base, dpart, u, grad_out.contiguous(), lse, du, len(sources) + (diff is not None), M, d, eps,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     return grads, (dpart if diff is not None else None), du.sum(0)[:d]
 
 

@@ -81,6 +81,22 @@ def test_kernel_matches_reference(n, d, dtype, nan_empty):
         assert_close(g, w, 1e-5, 1e-5)
 
 
+def test_kernel_mixes_fp32_and_bf16_sources(nan_empty):
+    """Under autocast the embedding is fp32 and sublayer outputs bf16: the read-out is fp32 (sources[0]'s
+    dtype) and each gradient comes back in its source's dtype, with that dtype's tolerance."""
+    sources, query, norm_weight, grad_out = make_inputs(7, 96, torch.bfloat16)
+    sources[0] = sources[0].detach().float().requires_grad_()
+    grad_out = grad_out.float()
+    want = reference(sources, query, norm_weight)
+    got = depth_route(sources, query, norm_weight)
+    assert got.dtype == want.dtype == torch.float32
+    assert_close(got, want, *TOL[torch.float32])
+    got_grads = torch.autograd.grad(got, sources, grad_out)
+    for s, g, w in zip(sources, got_grads, torch.autograd.grad(want, sources, grad_out)):
+        assert g.dtype == s.dtype
+        assert_close(g, w, *TOL[s.dtype])
+
+
 def test_kernel_takes_non_contiguous_sources():
     sources, query, norm_weight, _ = make_inputs(3, 64, torch.float32)
     strided = [s.detach().transpose(1, 2).contiguous().transpose(1, 2) for s in sources]  # (B, T, d), d-stride T
@@ -90,7 +106,8 @@ def test_kernel_takes_non_contiguous_sources():
 
 @pytest.mark.parametrize("bad,message", [
     (lambda s: [s[0], s[1][:, :3]], r"sources\[1\] is .* every source must match"),
-    (lambda s: [x.double() for x in s], "take sources of dtype"),
+    (lambda s: [s[0], s[1].double()], r"take sources of dtype .*; sources\[1\] is torch.float64"),
+    (lambda s: [s[0], s[1].half(), s[1].bfloat16()], "mix 3 dtypes"),
     (lambda s: [x[0] for x in s], r"sources must be \(B, T, d\)"),
     (lambda s: [], "at least one source"),
 ])
@@ -177,6 +194,22 @@ def test_model_with_kernels_matches_reference(routed):
     scale = max(g.abs().max().item() for g in want_grads.values())
     for name in grads:
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("routed", [dict(residual="delta"), dict(residual="delta_block", n_blocks=2)],
+                         ids=["delta", "delta_block"])
+def test_model_with_kernels_under_bf16_autocast(routed):
+    """As train.py runs on a GPU: bf16 sublayer outputs next to an fp32 embedding and stream, so the kernels
+    read mixed dtypes. bf16 outputs carry 8 significant bits and the two paths round at different places, so
+    the loss agrees to 1e-3 and gradients to 3% of the model's gradient scale."""
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss, grads = loss_and_grads(routed, "triton", idx)
+        want_loss, want_grads = loss_and_grads(routed, "reference", idx)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=0, atol=3e-2 * scale, msg=name)
 
 
 def test_dispatch():
