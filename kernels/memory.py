@@ -67,17 +67,22 @@ def report(results: dict[str, dict[str, int]], n_tokens: int, n_layers: int) -> 
     return "\n".join(lines)
 
 
+def run(batch: int = 1, seq_len: int = 64) -> None:
+    """Print the table: both paths under TRITON_INTERPRET=1 (or on CUDA), else the reference path only."""
+    kernels = ("reference", "triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("TRITON_INTERPRET is not 1: the kernel path cannot run on CPU; showing the reference path only")
+        kernels = ("reference",)
+    results = measure(kernels=kernels, batch=batch, seq_len=seq_len)
+    print(report(results, batch * seq_len, SCALED_1044M["n_layers"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
-    kernels = ("reference", "triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("TRITON_INTERPRET is not 1: the kernel path cannot run on CPU; showing the reference path only")
-        kernels = ("reference",)
-    results = measure(kernels=kernels, batch=args.batch, seq_len=args.seq_len)
-    print(report(results, args.batch * args.seq_len, SCALED_1044M["n_layers"]))
+    run(args.batch, args.seq_len)
 
 
 if __name__ == "__main__":
