@@ -75,7 +75,8 @@ def _route_fwd(table_a, like_a, n_a, table_b, like_b, n_b, h_ptr, base_ptr, u_pt
 
 @triton.jit
 def _route_bwd(table_a, grads_a, like_a, n_a, table_b, grads_b, like_b, n_b, h_ptr, base_ptr, dpart_ptr,
-               u_ptr, go_ptr, lse_ptr, du_ptr, n_total, M, d, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+               u_ptr, go_ptr, lse_ptr, D_ptr, du_ptr, n_total, M, d, eps,
+               HAS_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -85,9 +86,13 @@ def _route_bwd(table_a, grads_a, like_a, n_a, table_b, grads_b, like_b, n_b, h_p
     u = tl.load(u_ptr + cols, mask=cols < d, other=0.0)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)       # (BLOCK_M, BLOCK_D) dL/dr
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term (the null source adds 0)
-    D = tl.zeros((BLOCK_M,), tl.float32)
-    for i in range(n_total):
+    # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term (the null source adds 0);
+    # skipped when the caller has r at hand and passes D
+    if HAS_D:
+        D = tl.load(D_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        D = tl.zeros((BLOCK_M,), tl.float32)
+    for i in range(0 if HAS_D else n_total):
         if i < n_a:
             ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
             s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
@@ -188,8 +193,9 @@ def _table(tensors: list[Tensor], device: torch.device) -> Tensor:
 
 
 def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
-                  diff: tuple[Tensor, Tensor] | None = None, null: bool = False) -> tuple[Tensor, Tensor]:
-    """r (B, T, d) in sources[0]'s dtype and the softmax's log-sum-exp (B*T,) fp32.
+                  diff: tuple[Tensor, Tensor] | None = None, null: bool = False,
+                  out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """r (B, T, d) in out_dtype (default sources[0]'s dtype) and the softmax's log-sum-exp (B*T,) fp32.
 
     The candidates are `sources`, then diff[0] - diff[1] if given, then a zero source if `null`."""
     sources = _check(sources, query, norm_weight, diff)
@@ -199,7 +205,7 @@ def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps
     src_a, src_b = [sources[i] for i in a], [sources[i] for i in b]
     h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
     u = (query.float() * norm_weight.float()).contiguous()                 # (d,) folded query
-    out = torch.empty_like(first)
+    out = torch.empty_like(first, dtype=out_dtype or first.dtype)
     lse = torch.empty(M, dtype=torch.float32, device=dev)
     block_m, block_d, warps = _blocks(M, d)
     _route_fwd[(triton.cdiv(M, block_m),)](
@@ -210,10 +216,12 @@ def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps
 
 
 def route_backward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float, grad_out: Tensor,
-                   lse: Tensor, diff: tuple[Tensor, Tensor] | None = None
+                   lse: Tensor, diff: tuple[Tensor, Tensor] | None = None, D: Tensor | None = None
                    ) -> tuple[list[Tensor], Tensor | None, Tensor]:
     """Gradients of the sources (each in its dtype), of the difference source (None without one) and of
-    u = query * norm_weight (fp32 (d,)). The null source has no gradient; its weight is in lse."""
+    u = query * norm_weight (fp32 (d,)). The null source has no gradient; its weight is in lse.
+
+    D (B*T,) fp32, if given, is grad_out . r per token: one read of the sources fewer."""
     sources = _check(sources, query, norm_weight, diff)
     first, dev = sources[0], sources[0].device
     M, d = first.numel() // first.shape[-1], first.shape[-1]
@@ -229,8 +237,9 @@ def route_backward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, ep
     _route_bwd[(grid,)](
         _table(src_a, dev), _table([grads[i] for i in a], dev), first, len(a),
         _table(src_b, dev), _table([grads[i] for i in b], dev), (src_b or src_a)[0], len(b),
-        h, base, dpart, u, grad_out.contiguous(), lse, du, len(sources) + (diff is not None), M, d, eps,
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+        h, base, dpart, u, grad_out.contiguous(), lse, lse if D is None else D.contiguous(), du,
+        len(sources) + (diff is not None), M, d, eps,
+        HAS_D=D is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     return grads, (dpart if diff is not None else None), du.sum(0)[:d]
 
 

@@ -7,7 +7,8 @@ The reference path (router.DepthState) computes, per receiving sublayer,
 and autograd saves whatever every op needs: the stacked sources, the partial block (a fresh (B, T, d) tensor
 per sublayer in Delta Block), x and its normalised form. `RoutedNorm` computes y in one autograd node that
 saves only tensors which exist anyway (the stream h~, the committed sources, the stream at the block start)
-plus 4 bytes per token, and recomputes r, x and the norm in backward. Delta Block's partial block is passed
+plus 4 bytes per token, and recomputes r, x and the norm in backward (the recomputed r also gives the
+softmax's shared term, so the backward reads the sources twice, as a backward that saved r would). Delta Block's partial block is passed
 as the difference h~ - base (base = the stream at the block start, or the last source for the paper's
 formula), so it is never stored; the null source is a flag, never a tensor of zeros.
 
@@ -49,14 +50,17 @@ class RoutedNorm(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         h, base, query, norm_weight, gate, weight, lse, *sources = ctx.saved_tensors
         diff = (h, base) if base is not None else None
-        r, _ = route_forward(sources, query, norm_weight, ctx.eps, diff, ctx.null)   # recomputed, not saved
+        # r is recomputed, not saved; in fp32, so that D = dL/dr . r below is as exact as the kernel's own
+        r32, _ = route_forward(sources, query, norm_weight, ctx.eps, diff, ctx.null, out_dtype=torch.float32)
+        r = r32.to(sources[0].dtype)      # what the forward mixed in
         # the mix and the norm are a few elementwise ops: rerun them under autograd for their gradients
         leaves = {name: t.detach().requires_grad_() for name, t in
                   (("r", r), ("h", h), ("gate", gate), ("weight", weight)) if t is not None}
         with torch.enable_grad():
             y = rms_norm(_mix(leaves.get("h"), leaves.get("gate"), leaves["r"]), leaves["weight"], ctx.norm_eps)
             grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
-        dsources, dpart, du = route_backward(sources, query, norm_weight, ctx.eps, grads["r"], lse, diff)
+        D = (grads["r"].float() * r32).sum(-1).flatten()                   # (B*T,) the softmax's shared term
+        dsources, dpart, du = route_backward(sources, query, norm_weight, ctx.eps, grads["r"], lse, diff, D)
         dh = grads.get("h")
         dbase = None
         if dpart is not None:             # the partial is h - base
