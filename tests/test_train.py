@@ -87,7 +87,7 @@ def test_jsonl_log_and_checkpoint_contents(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [1, 2, 3, 4]
-    assert {"lr", "grad_norm", "tok_per_s", "peak_mem_gb"} <= set(train_records[0])
+    assert {"lr", "grad_norm", "tok_per_s", "mfu", "step_time_s", "peak_mem_gb"} <= set(train_records[0])
     final = records[-1]
     assert final["final"] and final["val_loss"] == result["val_loss"]
     assert math.isclose(final["val_ppl"], math.exp(final["val_loss"]))
@@ -127,3 +127,48 @@ def test_vocab_mismatch_is_a_clear_error(tmp_path):
 def test_time_budget_stops_early(tmp_path):
     result = run(tmp_path, "--max_steps=100000", "--time_budget_s=2")
     assert result["step"] < 100000 and math.isfinite(result["val_loss"])
+
+
+def test_global_batch_must_divide_over_ranks_and_micro_batches():
+    cfg = train.TrainConfig(batch_size=8, micro_batch_size=2)
+    assert [train.check_config(cfg, world) for world in (1, 2, 4)] == [4, 2, 1]
+    with pytest.raises(ValueError, match="batch_size=8 is not a multiple of micro_batch_size=2 x world_size=3 = 6"):
+        train.check_config(cfg, 3)
+    with pytest.raises(ValueError, match="parallel='zero': allowed values are ddp, fsdp"):
+        train.check_config(train.TrainConfig(parallel="zero"), 1)
+
+
+def test_fsdp_on_one_process_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="parallel='fsdp' on a single process shards nothing"):
+        run(tmp_path, "--parallel=fsdp", "--max_steps=1")
+
+
+def test_wandb_not_installed_is_a_clear_error(tmp_path):
+    try:
+        import wandb  # noqa: F401
+        pytest.skip("wandb is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="wandb=True but wandb is not installed"):
+        run(tmp_path, "--wandb", "--max_steps=1")
+
+
+def test_nan_loss_stops_keeps_the_last_good_checkpoint_and_names_the_step(tmp_path, monkeypatch):
+    calls = []
+    loss_fn = train.loss_fn
+
+    def poisoned(model, x, y):  # two micro-batches per step: calls 5 and 6 are step 3
+        calls.append(1)
+        loss = loss_fn(model, x, y)
+        return loss * float("nan") if len(calls) >= 5 else loss
+    monkeypatch.setattr(train, "loss_fn", poisoned)
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 3; .*ckpt_0000002\.pt"):
+        run(tmp_path, "--max_steps=5", "--ckpt_interval=2")
+    assert [os.path.basename(p) for p in train.checkpoint_paths(tmp_path)] == ["ckpt_0000002.pt"]
+    assert train.load_checkpoint(train.checkpoint_paths(tmp_path)[-1])["step"] == 2
+
+
+def test_flops_per_token_counts_every_matmul_weight():
+    cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, residual="delta")
+    weights = sum(p.numel() for p in Model(cfg).parameters() if p.dim() == 2)  # the tied embedding is the head
+    assert train.flops_per_token(cfg, 128) == 6 * weights + 12 * 3 * 4 * 16 * 128
