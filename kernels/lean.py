@@ -7,10 +7,11 @@ The reference path (router.DepthState) computes, per receiving sublayer,
 and autograd saves whatever every op needs: the stacked sources, the partial block (a fresh (B, T, d) tensor
 per sublayer in Delta Block), x and its normalised form. `RoutedNorm` computes y in one autograd node that
 saves only tensors which exist anyway (the stream h~, the committed sources, the stream at the block start)
-plus 4 bytes per token, and recomputes r, x and the norm in backward (the recomputed r also gives the
-softmax's shared term, so the backward reads the sources twice, as a backward that saved r would). Delta Block's partial block is passed
-as the difference h~ - base (base = the stream at the block start, or the last source for the paper's
-formula), so it is never stored; the null source is a flag, never a tensor of zeros.
+plus 4 bytes per token, and recomputes r, x and the norm in backward. The recomputed r also gives the
+softmax's shared term, so the backward reads the sources twice, as a backward that saved r would.
+Delta Block's partial block is passed as the difference h~ - base (base = the stream at the block start, or
+the last source for the paper's formula), so it is never stored; the null source is a flag, never a tensor
+of zeros.
 
 `LeanDepthState` is router.DepthState with those fused reads; model.Model picks it (the one dispatch point,
 model.uses_kernel) for CUDA tensors or when ModelConfig.kernel == "triton".
