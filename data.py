@@ -368,9 +368,9 @@ class ShardLoader:
         self.first_window = np.concatenate([[0], np.cumsum(windows)])  # window id where each shard begins
         self.n_windows = int(self.first_window[-1])
         if self.n_windows < step_batch:
+            steps = f" x {step_batch // global_batch} micro-batches" if step_batch > global_batch else ""
             raise ValueError(f"split {split!r} in {data_dir} has {self.n_windows} windows of {seq_len + 1} tokens, "
-                             f"fewer than one global batch of {step_batch} ({batch_size} x {world_size} ranks"
-                             f"{f' x {step_batch // global_batch} micro-batches' if step_batch > global_batch else ''})")
+                             f"fewer than one global batch of {step_batch} ({batch_size} x {world_size} ranks{steps})")
         self.batches_per_epoch = self.n_windows // step_batch * (step_batch // global_batch)
         self.last_ids = np.zeros(0, dtype=np.int64)  # window ids of the latest batch of this rank
         self.reset()

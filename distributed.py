@@ -18,9 +18,10 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from model import MLP, Attention, Model, RMSNorm
+from model import Model
 
 PARALLEL = ("ddp", "fsdp")
 _CKPT_NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
@@ -105,22 +106,20 @@ def checkpoint_activations(model: Model) -> None:
             m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
 
 
-def compile_sublayers(model: Model, backend: str = "inductor") -> None:
+def compile_sublayers(model: Model, backend: str | Callable = "inductor") -> None:
     """torch.compile the forward of every attention, MLP and norm module.
 
     Modules of one class share their compiled graph across layers, so the graph count does not grow with
-    depth (a 36-layer model compiles 3 forward and 3 backward graphs: RMSNorm, Attention, MLP; 2 and 2 on
-    the kernel path, which applies the pre-norms itself). Depth routing runs between the compiled sublayers
-    (its fast path is a kernel), so its number of sources, which changes from sublayer to sublayer, never
-    reaches a compiled graph. Forwards are replaced in place: parameter names, FSDP hooks and checkpoint
+    depth: a 36-layer model compiles at most 3 forward and 3 backward graphs (RMSNorm, Attention, MLP; the
+    kernel path applies the pre-norms itself and calls only the final norm). Depth routing runs between the
+    compiled sublayers (its fast path is a kernel), so its number of sources, which changes from sublayer to
+    sublayer, never reaches a compiled graph. Forwards are replaced in place: parameter names, FSDP hooks and checkpoint
     keys stay as they are.
     """
     modules = [model.norm] + [m for layer in model.layers
                               for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
                                         layer.mlp)]
     for m in modules:
-        if not isinstance(m, (Attention, MLP, RMSNorm)):
-            raise TypeError(f"compile_sublayers: unexpected module {type(m).__name__}")
         m.forward = torch.compile(m.forward, backend=backend)
 
 
@@ -143,8 +142,8 @@ def shard(model: Model, ctx: Context) -> None:
 
 def parallelize(model: Model, parallel: str, ctx: Context, *, activation_checkpointing: bool = False,
                 compile: bool = False) -> nn.Module:
-    """Apply compilation, activation checkpointing (around the compiled forwards), then DDP or FSDP2. Returns the module to call; its
-    parameters (names and, for DDP and one process, objects) are those of `model`."""
+    """Apply compilation, activation checkpointing (around the compiled forwards), then DDP or FSDP2.
+    Returns the module to call; its parameter names (and, except under FSDP, objects) are `model`'s."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel={parallel!r}: allowed values are {', '.join(PARALLEL)}")
     if compile:
@@ -210,8 +209,10 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
             raise FileNotFoundError(f"{path} is not a finished sharded checkpoint (no meta.json)")
         # As format_utils.dcp_to_torch_save does: the empty planner fills `state` with every stored tensor.
         state: dict = {}
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                             no_dist=True)
         return {**state, **read_meta(path)}
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")

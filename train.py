@@ -376,8 +376,8 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
                      "tok_per_s": tok_per_s, "mfu": tok_per_s * mfu_flops, "step_time_s": dt / steps_since_log,
                      "peak_mem_gb": peak}
             log(entry, f"step {step:5d} | loss {mean_loss:.4f} | lr {lr:.2e} | grad norm {entry['grad_norm']:.3f} | "
-                       f"{tok_per_s:,.0f} tok/s | MFU {100 * entry['mfu']:.1f}% | {1000 * entry['step_time_s']:.0f} ms/step"
-                       f" | peak mem {peak:.2f} GB")
+                       f"{tok_per_s:,.0f} tok/s | MFU {100 * entry['mfu']:.1f}% | "
+                       f"{1000 * entry['step_time_s']:.0f} ms/step | peak mem {peak:.2f} GB")
             t_log, steps_since_log = time.time(), 0
         if step % cfg.eval_interval == 0 and step < cfg.max_steps and not out_of_time:
             val = evaluate(model, val_loader, val_batches, autocast, device)

@@ -114,7 +114,8 @@ def two_ranks(tmp_path_factory) -> tuple[dict, str]:
            os.path.abspath(__file__), out]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed after {time.time() - t0:.0f}s:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, \
+        f"torchrun failed after {time.time() - t0:.0f}s:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f), out
 
@@ -172,7 +173,8 @@ def test_fsdp_resume_reproduces_the_uninterrupted_run(two_ranks):
 def test_sharded_checkpoint_resumes_on_one_process(two_ranks, tmp_path):
     results, out = two_ranks
     os.makedirs(tmp_path / "run")
-    shutil.copytree(os.path.join(out, "fsdp_delta_block", f"ckpt_{SAVE_AT:07d}"), tmp_path / "run" / f"ckpt_{SAVE_AT:07d}")
+    name = f"ckpt_{SAVE_AT:07d}"
+    shutil.copytree(os.path.join(out, "fsdp_delta_block", name), tmp_path / "run" / name)
     resumed = train.train(*configs("delta_block", tmp_path / "run", micro_batch_size=4, resume=True))
     assert resumed["losses"] == pytest.approx(results["fsdp_delta_block"]["losses"][SAVE_AT:], abs=1e-5, rel=0)
 
