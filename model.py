@@ -172,11 +172,11 @@ class Model(nn.Module):
     def init_weights(self) -> None:
         """Normal(0, init_std) matrices; the two projections that write into the stream scaled by
         1/sqrt(2 L) so the stream's variance does not grow with depth; norms at one; routers as Router says."""
-        std = self.cfg.init_std
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-                nn.init.normal_(p, mean=0.0, std=std * scale)
+                writes_stream = name.endswith(("o_proj.weight", "down_proj.weight"))
+                nn.init.normal_(p, mean=0.0, std=out_std if writes_stream else std)
         for m in self.modules():
             if isinstance(m, Router):
                 m.reset_parameters()
