@@ -379,6 +379,7 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
                        f"{tok_per_s:,.0f} tok/s | MFU {100 * entry['mfu']:.1f}% | "
                        f"{1000 * entry['step_time_s']:.0f} ms/step | peak mem {peak:.2f} GB")
             t_log, steps_since_log = time.time(), 0
+        t_pause = time.time()  # evaluation and saving do not count against tokens/s
         if step % cfg.eval_interval == 0 and step < cfg.max_steps and not out_of_time:
             val = evaluate(model, val_loader, val_batches, autocast, device)
             log({"step": step, "val_loss": val, "val_ppl": math.exp(val)},
@@ -386,6 +387,7 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
         if cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
             checkpoint()
             saved_at = step
+        t_log += time.time() - t_pause
         if out_of_time:
             if ctx.is_main:
                 print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}")
