@@ -34,7 +34,7 @@ def configs(residual: str, out_dir: str, kernel: str = "auto", **overrides) -> t
 
 
 class WindowSpy:
-    """Records the window ids every training-loader batch read, per optimizer step (shuffled loaders only)."""
+    """Records the window ids of every training-loader batch, in reading order (shuffled loaders only)."""
 
     def __init__(self, monkeypatch_setattr):
         self.ids: list[int] = []
