@@ -100,21 +100,19 @@ def context_length(ckpt: dict) -> int:
 def load_tokens(ckpt: dict, model: Model, path: str | None, split: str) -> tuple[list[np.ndarray], str]:
     """Token arrays (one per shard) of `split` of the run's data, a shard directory, or a text file -> (arrays,
     tokenizer name). Data made with another tokenizer, or with ids past the embedding, is an error."""
-    run_meta = data.load_meta(run_data_dir(ckpt)) if path is None or os.path.isfile(path) else None
     if path is not None and os.path.isfile(path):
+        tok = run_tokenizer(ckpt, model)
         with open(path, encoding="utf-8") as f:
-            tok = data.get_tokenizer(run_meta["tokenizer"], run_meta.get("tokenizer_path"), model.cfg.vocab_size)
             return [np.asarray(tok.encode(f.read()), dtype=np.int64)], tok.name
     directory = path or run_data_dir(ckpt)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--data={directory}: neither a text file nor a shard directory")
     meta = data.load_meta(directory)
-    trained = ckpt.get("train_config", {}).get("data")
-    if path is not None and trained is not None:
-        trained_meta = data.load_meta(run_data_dir(ckpt))
-        if trained_meta["tokenizer"] != meta["tokenizer"]:
+    if path is not None and ckpt.get("train_config", {}).get("data") is not None:
+        trained = data.load_meta(run_data_dir(ckpt))["tokenizer"]
+        if trained != meta["tokenizer"]:
             raise ValueError(f"{directory} was tokenised with {meta['tokenizer']!r} but the model was trained on "
-                             f"{trained_meta['tokenizer']!r} tokens: the vocabularies do not match")
+                             f"{trained!r} tokens: the vocabularies do not match")
     data.check_vocab(meta, model.cfg.vocab_size)
     shards = sorted(p for p in os.listdir(directory) if p.startswith(f"{split}_") and p.endswith(".bin"))
     if not shards:
@@ -179,7 +177,7 @@ class HarnessLM(_HarnessBase):
     def __init__(self, model: Model, tokenizer, max_length: int, batch_size: int = 16):
         super().__init__()
         self.model, self.tok, self.max_length, self.batch_size = model, tokenizer, max_length, batch_size
-        self.device_ = next(model.parameters()).device
+        self.model_device = next(model.parameters()).device
 
     def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         # Trailing spaces of the context belong to the continuation (as lm-eval's HF model does): BPE tokenisers
@@ -203,14 +201,14 @@ class HarnessLM(_HarnessBase):
         for batch in tqdm(batches, desc=desc, unit="batch", disable=None):
             inputs = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):-1] for i in batch]  # left-truncated
             width = max(len(s) for s in inputs)
-            x = torch.zeros(len(batch), width, dtype=torch.long, device=self.device_)
+            x = torch.zeros(len(batch), width, dtype=torch.long, device=self.model_device)
             for row, s in enumerate(inputs):
                 x[row, :len(s)] = torch.tensor(s)          # right padding: causal, so earlier positions are exact
             logits = self.model(x)                          # (B, W, V)
             for row, i in enumerate(batch):
                 cont, end = pairs[i][1], len(inputs[row])
                 logp = logits[row, end - len(cont):end].float().log_softmax(-1)           # (n_cont, V)
-                target = torch.tensor(cont, device=self.device_)
+                target = torch.tensor(cont, device=self.model_device)
                 ll = logp.gather(-1, target[:, None]).sum().item()
                 results[i] = (ll, bool((logp.argmax(-1) == target).all()))
         return results
@@ -240,7 +238,7 @@ class HarnessLM(_HarnessBase):
             until = [until] if isinstance(until, str) else list(until)
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
             ids = (self.tok.encode(context) or [self.tok.eot])[-self.max_length:]
-            idx = torch.tensor([ids], dtype=torch.long, device=self.device_)
+            idx = torch.tensor([ids], dtype=torch.long, device=self.model_device)
             new: list[int] = []
             text = ""
             for token in sample.generate(self.model, idx, int(kwargs.get("max_gen_toks", 256)), temperature,

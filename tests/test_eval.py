@@ -6,7 +6,6 @@ probability, so task accuracies and generations can be worked out by hand.
 """
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -318,8 +317,10 @@ def test_kv_cache_logits_equal_the_full_forward(residual):
 def test_cached_and_uncached_greedy_generation_agree():
     model = routed_model("delta_block")
     idx = torch.randint(0, 256, (1, 5))
-    run = lambda use_cache, context: torch.cat(list(sample.generate(model, idx, 12, temperature=0, context=context,
-                                                                     use_cache=use_cache)), dim=1)
+
+    def run(use_cache: bool, context: int) -> torch.Tensor:
+        return torch.cat(list(sample.generate(model, idx, 12, temperature=0, context=context, use_cache=use_cache)), 1)
+
     assert torch.equal(run(True, 32), run(False, 32))
     assert run(True, 8).shape == (1, 12)        # past the window: rebuilt from its newer half
 
