@@ -12,3 +12,4 @@ eval_interval = 500
 eval_batches = 50
 log_interval = 10
 ckpt_interval = 1000
+compile = True               # per-sublayer graphs: 3 forward + 3 backward for any depth (README)

@@ -12,3 +12,5 @@ batch_size = 64
 micro_batch_size = 2         # gradient accumulation 4 on 8 GPUs
 seq_len = 2048
 lr = 3e-4
+parallel = "fsdp"            # FSDP2 per layer, bf16 params / fp32 reduce
+activation_checkpointing = True
