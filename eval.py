@@ -407,7 +407,8 @@ def plot_routing(runs: dict[str, dict], prefix: str) -> list[str]:
                 matrix[row, :len(w)] = w
         image = ax.imshow(matrix, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set(title=f"{label} ({run['residual']})", xlabel="source (0 = embedding)")
-        ax.set_yticks(range(n_rows), [r["name"] for r in run["receivers"]] + [""] * (n_rows - len(run["receivers"])))
+    longest = max(runs.values(), key=lambda run: len(run["receivers"]))["receivers"]  # row l is receiver l
+    axes[0][0].set_yticks(range(n_rows), [r["name"] for r in longest])
     axes[0][0].set_ylabel("receiving sublayer")
     fig.colorbar(image, ax=axes[0].tolist(), label="mean routing weight")
     fig.savefig(paths[1], dpi=120)
