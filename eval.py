@@ -6,9 +6,10 @@
     python eval.py out/tiny_attnres out/tiny_delta_block --routing --out=docs/routing_tiny
     python eval.py CKPT --sample "ROMEO:" --temperature=0.8 --top_k=40
 
-CKPT is a checkpoint file that train.py writes, or an out_dir (its newest ckpt_*.pt). Perplexity and task
-results go to a JSON next to the checkpoint (ckpt_0000600.eval.json); the routing analysis writes
-OUT.json, OUT_depth.png (max weight and normalised entropy by depth) and OUT_matrix.png (receiver x source).
+CKPT is a checkpoint file that train.py writes, an out_dir (its newest ckpt_*.pt), or a Hugging Face Qwen3
+folder (pretrained weights, read by finetune.load_hf_qwen3). Perplexity and task results go to a JSON next to
+the checkpoint (ckpt_0000600.eval.json; eval.json in a Qwen3 folder); the routing analysis writes OUT.json,
+OUT_depth.png (max weight and normalised entropy by depth) and OUT_matrix.png (receiver x source).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import math
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -41,14 +43,16 @@ CHECKPOINT_KEYS = ("model", "model_config")
 # ----------------------------------------------------------------------------------------------- loading
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint file, or the newest ckpt_*.pt of an out_dir."""
+    """A checkpoint file, a Hugging Face folder, or the newest ckpt_*.pt of an out_dir."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
     if os.path.isdir(path):
         paths = train.checkpoint_paths(path)
         if not paths:
             raise FileNotFoundError(f"{path} is a directory without checkpoints (ckpt_*.pt)")
         return paths[-1]
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path} (expected a ckpt_*.pt file or an out_dir)")
+        raise FileNotFoundError(f"no checkpoint at {path} (expected a ckpt_*.pt file, an out_dir or a Qwen3 folder)")
     return path
 
 
@@ -59,6 +63,11 @@ def pick_device(name: str = "auto") -> torch.device:
 def load_model(path: str, device: torch.device | str = "cpu") -> tuple[Model, dict]:
     """(model in eval mode, the checkpoint dict with "path" added). Clear errors for other file formats."""
     path = resolve_checkpoint(path)
+    if os.path.isdir(path):  # a Hugging Face Qwen3 folder; 2048 is the paper's sequence length for Qwen3
+        import finetune
+        model = finetune.load_hf_qwen3(path)
+        ckpt = {"path": path, "hf_folder": path, "model_config": asdict(model.cfg), "train_config": {"seq_len": 2048}}
+        return model.to(device).eval(), ckpt
     try:
         ckpt = train.load_checkpoint(path, map_location="cpu")
     except Exception as e:  # torch.load raises many types (UnpicklingError, RuntimeError, EOFError, ...)
@@ -88,6 +97,11 @@ def run_data_dir(ckpt: dict) -> str:
 
 
 def run_tokenizer(ckpt: dict, model: Model):
+    if "hf_folder" in ckpt:  # Qwen3's tokenizer ships with its weights
+        path = os.path.join(ckpt["hf_folder"], "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: copy Qwen3's tokenizer.json into {ckpt['hf_folder']}")
+        return data.get_tokenizer("qwen3", path, model.cfg.vocab_size)
     meta = data.load_meta(run_data_dir(ckpt))
     return data.get_tokenizer(meta["tokenizer"], meta.get("tokenizer_path"), model.cfg.vocab_size)
 
@@ -235,23 +249,9 @@ class HarnessLM(_HarnessBase):
         for r in tqdm(requests, desc="generate_until", unit="request", disable=None):
             context, kwargs = r.args
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
-            ids = (self.tok.encode(context) or [self.tok.eot])[-self.max_length:]
-            idx = torch.tensor([ids], dtype=torch.long, device=self.model_device)
-            new: list[int] = []
-            text = ""
-            for token in sample.generate(self.model, idx, int(kwargs.get("max_gen_toks", 256)), temperature,
-                                         context=self.max_length):
-                if token.item() == self.tok.eot:
-                    break
-                new.append(token.item())
-                text = self.tok.decode(new)
-                if any(u in text for u in until):
-                    break
-            for u in until:
-                text = text.split(u)[0]
-            outputs.append(text)
+            outputs.append(sample.complete(self.model, self.tok, context, [until] if isinstance(until, str) else until,
+                                           int(kwargs.get("max_gen_toks", 256)), temperature, self.max_length))
         return outputs
 
 
@@ -272,16 +272,12 @@ def run_tasks(lm: HarnessLM, tasks: list[str], num_fewshot: int = 0, limit: int 
     manager = TaskManager(include_path=sorted({os.path.dirname(os.path.abspath(f)) for f in files}) or None,
                           include_defaults=len(files) < len(tasks))
     out = evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                    task_manager=manager, log_samples=False, bootstrap_iters=0)
+                                    task_manager=manager, log_samples=False, bootstrap_iters=1000)
     # The requested tasks and groups are the results that are no group's subtask (MMLU reports both).
     children = {c for subtasks in out.get("group_subtasks", {}).values() for c in subtasks}
-    names = [name for name in out["results"] if name not in children]
-    accuracy = {}
-    for name in names:
-        metrics = out["results"].get(name, {})
-        value = metrics.get("acc_norm,none", metrics.get("acc,none"))
-        if value is not None:
-            accuracy[name] = value
+    accuracy = {name: m.get("acc_norm,none", m.get("acc,none")) for name, m in out["results"].items()
+                if name not in children}
+    accuracy = {name: value for name, value in accuracy.items() if isinstance(value, (int, float))}
     average = sum(accuracy.values()) / len(accuracy) if accuracy else None
     return {"results": out["results"], "accuracy": accuracy, "average": average, "table": make_table(out)}
 
@@ -420,7 +416,8 @@ def plot_routing(runs: dict[str, dict], prefix: str) -> list[str]:
 
 def _save_results(ckpt_path: str, key: str, value: dict) -> str:
     """Merge {key: value} into the JSON next to the checkpoint."""
-    path = os.path.splitext(ckpt_path)[0] + ".eval.json"
+    is_folder = os.path.isdir(ckpt_path)
+    path = os.path.join(ckpt_path, "eval.json") if is_folder else os.path.splitext(ckpt_path)[0] + ".eval.json"
     results = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -432,7 +429,8 @@ def _save_results(ckpt_path: str, key: str, value: dict) -> str:
 
 
 def _label(path: str) -> str:
-    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    """A run's name in plots: its out_dir, or the Hugging Face folder."""
+    return os.path.basename(os.path.abspath(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
 
 
 def main(argv: list[str]) -> dict:
@@ -489,13 +487,13 @@ def main(argv: list[str]) -> dict:
         for path, entry in report.items():
             runs[_label(path) if _label(path) not in runs else os.path.relpath(path)] = entry["routing"]
         prefix = args.out or os.path.join(os.path.dirname(next(iter(report))), "routing")
-        os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+        plots = plot_routing(runs, prefix)
         with open(prefix + ".json", "w") as f:
             json.dump(runs, f, indent=2)
         for label, run in runs.items():
             print(f"{label}: mean max weight {run['mean_max_weight']:.3f} | mean normalised entropy "
                   f"{run['mean_entropy']:.3f} | mean embedding weight {run['mean_embedding_weight']:.3f}")
-        print("wrote", ", ".join([prefix + ".json"] + plot_routing(runs, prefix)))
+        print("wrote", ", ".join([prefix + ".json"] + plots))
     return report
 
 

@@ -131,6 +131,25 @@ def sample_text(model: Model, tokenizer, prompt: str, max_new_tokens: int = 200,
     return prompt + tokenizer.decode(out)
 
 
+def complete(model: Model, tokenizer, context: str, until: list[str], max_new_tokens: int,
+             temperature: float = 0.0, max_context: int = 1024) -> str:
+    """The text generated after `context` (greedy at temperature 0), up to the first stop string or eot."""
+    device = next(model.parameters()).device
+    idx = torch.tensor([(tokenizer.encode(context) or [tokenizer.eot])[-max_context:]], dtype=torch.long, device=device)
+    new: list[int] = []
+    text = ""
+    for token in generate(model, idx, max_new_tokens, temperature, context=max_context):
+        if token.item() == tokenizer.eot:
+            break
+        new.append(token.item())
+        text = tokenizer.decode(new)
+        if any(u in text for u in until):
+            break
+    for u in until:
+        text = text.split(u)[0]
+    return text
+
+
 def main(argv: list[str]) -> str:
     import eval as evaluation  # eval.py imports this module; import it here to avoid a cycle
 

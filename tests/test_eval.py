@@ -334,3 +334,19 @@ def test_sampling_from_the_command_line(tmp_path):
     assert top1 == "klmno"                      # top_k=1 is greedy at any temperature
     with pytest.raises(ValueError, match="temperature >= 0"):
         sample.sample_text(successor_model(), tok, "k", 4, temperature=-1.0)
+
+
+def test_hugging_face_folder_evaluates_like_its_checkpoint(tmp_path):
+    finetune = pytest.importorskip("finetune")
+    pytest.importorskip("safetensors")
+    directory = byte_data(tmp_path / "data", n=200)
+    torch.manual_seed(0)
+    model = Model(tiny_config("baseline")).eval()
+    path = save(model, tmp_path, directory, seq_len=16)
+    finetune.save_hf_qwen3(model, str(tmp_path / "hf"))
+    from_ckpt = ev.main([path, f"--data={directory}", "--seq_len=16"])[path]["perplexity"]
+    from_hf = ev.main([str(tmp_path / "hf"), f"--data={directory}", "--seq_len=16"])[str(tmp_path / "hf")]
+    assert from_hf["perplexity"]["loss"] == pytest.approx(from_ckpt["loss"], rel=1e-6)
+    assert (tmp_path / "hf" / "eval.json").exists()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json not found"):
+        ev.main([str(tmp_path / "hf"), "--sample", "a"])
