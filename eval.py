@@ -151,7 +151,7 @@ def perplexity(model: Model, token_arrays: list[np.ndarray], seq_len: int, batch
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     chunks = [w for arr in token_arrays for w in windows(np.asarray(arr), seq_len)]
     if max_tokens is not None:
-        chunks = chunks[:max(1, math.ceil(max_tokens / seq_len))]
+        chunks = chunks[:max(1, max_tokens // seq_len)]
     if not chunks:
         raise ValueError("no tokens to evaluate: the data needs at least 2 tokens")
     total, n_targets, n_bytes = 0.0, 0, 0
