@@ -43,8 +43,9 @@ CHECKPOINT_KEYS = ("model", "model_config")
 # ----------------------------------------------------------------------------------------------- loading
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint file, a Hugging Face folder, or the newest ckpt_*.pt of an out_dir."""
-    if os.path.isfile(os.path.join(path, "config.json")):
+    """A checkpoint file, a sharded checkpoint directory (FSDP), a Hugging Face folder, or the newest
+    checkpoint of an out_dir."""
+    if os.path.isfile(os.path.join(path, "config.json")) or os.path.isfile(os.path.join(path, "meta.json")):
         return path
     if os.path.isdir(path):
         paths = train.checkpoint_paths(path)
@@ -63,7 +64,7 @@ def pick_device(name: str = "auto") -> torch.device:
 def load_model(path: str, device: torch.device | str = "cpu") -> tuple[Model, dict]:
     """(model in eval mode, the checkpoint dict with "path" added). Clear errors for other file formats."""
     path = resolve_checkpoint(path)
-    if os.path.isdir(path):  # a Hugging Face Qwen3 folder; 2048 is the paper's sequence length for Qwen3
+    if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face Qwen3; 2048: the paper's Qwen3 length
         import finetune
         model = finetune.load_hf_qwen3(path)
         ckpt = {"path": path, "hf_folder": path, "model_config": asdict(model.cfg), "train_config": {"seq_len": 2048}}

@@ -120,6 +120,24 @@ def test_out_dir_resolves_to_newest_checkpoint(tmp_path):
     assert torch.equal(model.routers[0].query, newest.routers[0].query)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_checkpoint_directory_loads(tmp_path):
+    """An FSDP run's sharded checkpoint (torch.distributed.checkpoint folder + meta.json) evaluates directly."""
+    import torch.distributed.checkpoint as dcp
+    directory = byte_data(tmp_path / "data")
+    model = routed_model(seed=3)
+    sharded = tmp_path / "run" / "ckpt_0000007"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(sharded), no_dist=True)
+    meta = {"model_config": asdict(model.cfg), "step": 7,
+            "train_config": asdict(train.TrainConfig(data=str(directory), seq_len=16))}
+    (sharded / "meta.json").write_text(json.dumps(meta))
+    for path in (sharded, tmp_path / "run"):  # the folder itself, or its out_dir
+        loaded, ckpt = ev.load_model(str(path))
+        assert ckpt["path"] == str(sharded)
+        idx = torch.randint(0, 257, (1, 9))
+        assert torch.equal(loaded(idx), model(idx))
+
+
 def test_data_with_another_vocabulary_is_rejected(tmp_path):
     path = save(routed_model(), tmp_path, byte_data(tmp_path / "data"))
     other = np.arange(100, dtype=np.uint16)
