@@ -1,0 +1,476 @@
+"""The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
+
+    python sweep.py                               # every run into results/sweep (about 45 min on 2 cores)
+    python sweep.py --report_only                 # rewrite the table, JSON and plots from the finished runs
+
+One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and four comparisons:
+  Table 1   baseline, attnres, full_attnres, delta, delta_block, delta_block with the paper's sources;
+            equal steps, 3 seeds each (seed s gives every method the same backbone init and data order);
+  Table 4   delta_block with 1, 2, 4, 6, 12 blocks and delta (the fine-grained end), seed 0;
+  wall      baseline, delta, delta_block with the same time_budget_s (the baseline's equal-steps wall time);
+            each method's cosine schedule is as long as the steps its Table 1 run made in that time;
+  gate      delta_block with gate=True against Table 1's ungated seed-0 run.
+Runs are shared between tables where they are the same run. A run whose log.jsonl has its final record is
+skipped, so an interrupted sweep continues where it stopped. Writes OUT/runs/<run>/ (log.jsonl, stdout.txt,
+checkpoint), OUT/results.json, OUT/table.md and OUT/*.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import redirect_stdout
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+CONFIG = "configs/sweep_l12.py"
+SEEDS = (0, 1, 2)
+MEMORY_SHAPE = (2, 64)   # (batch, seq_len) of the saved-bytes count: per-token ratios do not depend on it
+
+# Table 1's rows: label -> (run-name slug, config overrides, time per step relative to the baseline). The
+# relative times were measured on this model on one core; they only order the queue and estimate the ETA.
+METHODS = {
+    "baseline": ("baseline", {"residual": "baseline"}, 1.0),
+    "attnres": ("attnres", {"residual": "attnres"}, 1.4),
+    "full_attnres": ("full_attnres", {"residual": "full_attnres"}, 2.8),
+    "delta": ("delta", {"residual": "delta"}, 2.6),
+    "delta_block": ("delta_block", {"residual": "delta_block"}, 1.35),
+    "delta_block (paper sources)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
+}
+
+
+@dataclass
+class Run:
+    name: str                        # its out_dir under OUT/runs
+    overrides: dict                  # config keys on top of CONFIG
+    cost: float = 1.0                # expected wall time relative to an equal-steps baseline run
+    pace_from: str | None = None     # equal wall-clock: the equal-steps run whose pace sets max_steps
+
+
+@dataclass
+class Section:
+    title: str
+    note: str
+    rows: list[tuple[str, list[str]]]   # (label, run names); the first row is the reference (baseline)
+
+
+def full_plan() -> tuple[list[Run], list[Section]]:
+    runs, t1 = [], []
+    for label, (slug, overrides, cost) in METHODS.items():
+        names = [f"t1_{slug}_s{s}" for s in SEEDS]
+        runs += [Run(n, {**overrides, "seed": s}, cost) for n, s in zip(names, SEEDS)]
+        t1.append((label, names))
+    t4 = [("baseline", ["t1_baseline_s0"])]
+    for k in (1, 2, 4, 6, 12):
+        name = "t1_delta_block_s0" if k == 4 else f"t4_delta_block_k{k}"
+        if k != 4:
+            runs.append(Run(name, {"residual": "delta_block", "n_blocks": k, "seed": 0}, 1.2 + 0.05 * k))
+        t4.append((f"delta_block, {k} blocks", [name]))
+    t4.append(("delta (fine-grained)", ["t1_delta_s0"]))
+    wall = []
+    for label in ("baseline", "delta", "delta_block"):
+        slug, overrides, _ = METHODS[label]
+        runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0, pace_from=f"t1_{slug}_s0"))
+        wall.append((label, [f"wall_{slug}_s0"]))
+    runs.append(Run("gate_delta_block_s0", {"residual": "delta_block", "gate": True, "seed": 0}, 1.35))
+    gate = [("baseline", ["t1_baseline_s0"]), ("delta_block, no gate (zero queries)", ["t1_delta_block_s0"]),
+            ("delta_block, gate=True (exact identity at init)", ["gate_delta_block_s0"])]
+    sections = [
+        Section("Table 1 in miniature: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the change vs "
+                "the baseline is paired by seed (same init and data order).", t1),
+        Section("Table 4 in miniature: number of blocks (L = 12), seed 0", "K blocks give K + 1 sources to the "
+                "last sublayer; the fine-grained delta reads up to 2L + 1 = 25.", t4),
+        Section("Equal wall-clock, seed 0", "Same time_budget_s for every method (the baseline's equal-steps "
+                "wall time); each method's schedule is as long as the steps it makes in that time.", wall),
+        Section("Initialisation: gated vs ungated delta_block, seed 0", "gate=True starts as the baseline bit "
+                "for bit; without it the boundary sources give a near-identity.", gate),
+    ]
+    return runs, sections
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+def read_log(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def final_record(out_dir: str) -> dict | None:
+    return next((r for r in read_log(out_dir) if r.get("final")), None)
+
+
+def train_one(argv: list[str], out_dir: str, threads: int) -> dict:
+    """Train one run from scratch (a leftover of an interrupted attempt is removed: its log would mix)."""
+    import train
+    torch.set_num_threads(threads)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    with open(os.path.join(out_dir, "stdout.txt"), "w") as f, redirect_stdout(f):
+        train.main(argv)
+    return final_record(out_dir)
+
+
+def run_argv(run: Run, out: str, extra: dict | None = None) -> list[str]:
+    values = {**run.overrides, **(extra or {}), "out_dir": os.path.join(out, "runs", run.name)}
+    return [CONFIG] + [f"--{k}={v}" for k, v in values.items()]
+
+
+def pace(run: Run, out: str, budget_s: float) -> dict:
+    """Equal wall-clock: the steps this method made per second in its equal-steps run, times the budget."""
+    final = final_record(os.path.join(out, "runs", run.pace_from))
+    steps = max(1, int(final["step"] * budget_s / final["wall_s"]))
+    return {"max_steps": steps, "time_budget_s": budget_s, "eval_interval": max(1, steps // 8)}
+
+
+def wall_budget(runs: list[Run], out: str, budget_s: float | None) -> float:
+    """The equal wall-clock budget: given, or the mean wall time of the baseline's equal-steps runs."""
+    if budget_s:
+        return budget_s
+    walls = [final_record(os.path.join(out, "runs", r.name))["wall_s"] for r in runs
+             if r.pace_from is None and r.overrides.get("residual") == "baseline"]
+    return float(np.mean(walls))
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float | None = None) -> list[str]:
+    """Train every unfinished run, equal-steps runs first (longest first), then the equal wall-clock ones, whose
+    steps come from the former. One progress line per run. Returns the names of runs that failed."""
+    import train
+    train.data_dir(train.TrainConfig())         # prepare the corpus once, before workers race to do it
+    start, total = time.time(), len(runs)
+    done_cost, left_cost, failed, index = 0.0, sum(r.cost for r in runs), [], 0
+
+    def report(run: Run, final: dict | None, status: str) -> None:
+        nonlocal index, done_cost, left_cost
+        index += 1
+        left_cost -= run.cost
+        if status != "skipped":
+            done_cost += run.cost
+        elapsed = time.time() - start
+        eta = f" | ETA ~{_clock(elapsed / done_cost * left_cost)}" if done_cost and left_cost > 0 else ""
+        result = (f"val ppl {final['val_ppl']:7.3f} | step {final['step']:5d} | {final['wall_s']:5.0f}s"
+                  if final else "no result")
+        print(f"[{index:2d}/{total}] {run.name:<24} {result} | {status} | elapsed {_clock(elapsed)}{eta}", flush=True)
+
+    pending = []
+    for run in runs:
+        final = final_record(os.path.join(out, "runs", run.name))
+        if final is not None:
+            report(run, final, "skipped")
+        else:
+            pending.append(run)
+    steps_first = sorted([r for r in pending if r.pace_from is None], key=lambda r: -r.cost)
+    wall_last = [r for r in pending if r.pace_from is not None]
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
+    try:
+        for phase in (steps_first, wall_last):
+            extra = {}
+            if phase is wall_last and phase:
+                budget = wall_budget(runs, out, budget_s)
+                extra = {r.name: pace(r, out, budget) for r in phase}
+            futures = {}
+            for run in phase:
+                args = (run_argv(run, out, extra.get(run.name)), os.path.join(out, "runs", run.name), threads)
+                futures[pool.submit(train_one, *args) if pool else _now(train_one, *args)] = run
+            while futures:
+                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    run = futures.pop(future)
+                    try:
+                        report(run, future.result(), "trained")
+                    except Exception as e:  # one broken run must not cost the others; it is reported at the end
+                        failed.append(run.name)
+                        report(run, None, f"FAILED: {type(e).__name__}: {e}")
+    finally:
+        if pool:
+            pool.shutdown()
+    return failed
+
+
+def _now(fn, *args):
+    """A finished future holding fn(*args): jobs=1 runs in this process through the same loop."""
+    from concurrent.futures import Future
+    future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:  # handed to the loop, which reports it like a worker's failure
+        future.set_exception(e)
+    return future
+
+
+# ---------------------------------------------------------------------------------------------- analysing
+
+def model_config(run: Run):
+    import train
+    return train.load_config([CONFIG] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
+
+
+def saved_bytes_for(configs: dict[str, dict], kernel: str) -> dict[str, int]:
+    """{key: bytes saved for backward by one step of the model with that ModelConfig (as a dict)} on `kernel`'s
+    path, for a MEMORY_SHAPE batch of the same random tokens. On CPU the kernel path needs TRITON_INTERPRET=1."""
+    from kernels.memory import saved_bytes
+    from model import Model, ModelConfig
+    batch, seq_len = MEMORY_SHAPE
+    out = {}
+    for key, cfg in configs.items():
+        torch.manual_seed(0)
+        model = Model(ModelConfig(**{**cfg, "kernel": kernel}))
+        idx = torch.randint(0, cfg["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(0))
+        out[key] = saved_bytes(model, idx)
+    return out
+
+
+def saved_bytes_triton(configs: dict[str, dict], timeout_s: float) -> dict[str, int] | str:
+    """The kernel path under the Triton interpreter, in a subprocess (the interpreter is chosen when Triton is
+    first imported); returns the reason instead when it fails or takes longer than timeout_s."""
+    code = "import json, sys, sweep; json.dump(sweep.saved_bytes_for(json.loads(sys.argv[1]), 'triton'), sys.stdout)"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(configs)], capture_output=True, text=True,
+                              timeout=timeout_s, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except subprocess.TimeoutExpired:
+        return f"omitted: the interpreter took over {timeout_s:.0f}s"
+    if proc.returncode:
+        return f"omitted: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+    return json.loads(proc.stdout)
+
+
+def routing_summary(out_dir: str) -> dict:
+    """eval.routing_analysis of the run's checkpoint over 32 held-out windows of its training length."""
+    import eval as evaluation
+    model, ckpt = evaluation.load_model(out_dir)
+    arrays, _ = evaluation.load_tokens(ckpt, model, None, "val")
+    return evaluation.routing_analysis(model, arrays, evaluation.context_length(ckpt), n_windows=32)
+
+
+def run_figures(run: Run, out: str) -> dict | None:
+    """A finished run's numbers from its log.jsonl (and checkpoint, for routing); None if it is not finished."""
+    out_dir = os.path.join(out, "runs", run.name)
+    log = read_log(out_dir)
+    final = next((r for r in log if r.get("final")), None)
+    if final is None:
+        return None
+    speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r][1:]   # the first interval includes start-up
+    cfg = model_config(run)
+    figures = {"overrides": run.overrides, "pace_from": run.pace_from, "val_ppl": final["val_ppl"],
+               "val_loss": final["val_loss"], "step": final["step"], "wall_s": final["wall_s"],
+               "tok_per_s": float(np.mean(speeds)) if speeds else None,
+               "curve": [[r["step"], r["val_loss"]] for r in log if "val_loss" in r]}
+    if cfg.residual != "baseline":
+        figures["routing"] = routing_summary(out_dir)
+    return figures
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: dict) -> list[dict]:
+    """One dict per row with every table column; rows whose runs are not all finished are left out."""
+    ref = {runs[n].overrides["seed"]: figures[n] for n in section.rows[0][1] if figures.get(n)}
+    ref_speed = np.mean([f["tok_per_s"] for f in ref.values()]) if ref else float("nan")
+    rows = []
+    for label, names in section.rows:
+        got = [figures[n] for n in names if figures.get(n)]
+        if len(got) < len(names) or not ref:
+            continue
+        seeds = [runs[n].overrides["seed"] for n in names]
+        ppl, ppl_std = _mean_std([f["val_ppl"] for f in got])
+        # Paired by seed: the same seed gives every method the same backbone init and the same batches.
+        change = [100 * (f["val_ppl"] / ref.get(s, next(iter(ref.values())))["val_ppl"] - 1) for f, s in zip(got, seeds)]
+        change_mean, change_std = _mean_std(change)
+        routed = [f["routing"] for f in got if "routing" in f]
+        key = memory_key(runs[names[0]])
+        rows.append({
+            "label": label, "runs": names, "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
+            "wall_s": float(np.mean([f["wall_s"] for f in got])), "val_ppl": ppl, "val_ppl_std": ppl_std,
+            "ppl_change_pct": change_mean, "ppl_change_pct_std": change_std,
+            "tok_per_s_rel": float(np.mean([f["tok_per_s"] for f in got]) / ref_speed),
+            "saved_bytes_rel": {k: v[key] / v["baseline"] for k, v in memory.items() if isinstance(v, dict)},
+            "mean_max_weight": float(np.mean([r["mean_max_weight"] for r in routed])) if routed else None,
+            "mean_entropy": float(np.mean([r["mean_entropy"] for r in routed])) if routed else None})
+    return rows
+
+
+def memory_key(run: Run) -> str:
+    cfg = model_config(run)
+    return "baseline" if cfg.residual == "baseline" else \
+        f"{cfg.residual}/K{cfg.n_blocks}/{cfg.block_source}/gate{int(cfg.gate)}"
+
+
+def _pm(mean: float, std: float, n: int, fmt: str) -> str:
+    return f"{mean:{fmt}} ± {std:{fmt}}" if n > 1 else f"{mean:{fmt}}"
+
+
+def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict, meta: dict) -> str:
+    paths = [k for k, v in memory.items() if isinstance(v, dict)]
+    lines = [f"# Sweep results ({meta['model']})", "",
+             f"Commit `{meta['git_commit'][:12]}`{' (with uncommitted changes)' if meta['git_dirty'] else ''}, "
+             f"{meta['machine']['cpu']} ({meta['machine']['cores']} cores), torch {meta['machine']['torch']}, "
+             f"{meta['date']}. Val PPL: byte-level perplexity on 16K held-out tokens (two plays never trained on). "
+             f"tok/s: training throughput from log.jsonl, relative to the section's baseline. Saved activations: "
+             f"bytes autograd keeps for backward in one step (kernels.memory.saved_bytes, batch {MEMORY_SHAPE[0]} x "
+             f"{MEMORY_SHAPE[1]}), relative to the baseline. Routing: eval.routing_analysis on 32 held-out windows, "
+             f"mean over receivers with 2+ sources of the max mean weight and of H(a)/log N."]
+    if not isinstance(memory.get("triton"), dict):
+        lines.append(f"Kernel-path memory: {memory.get('triton', 'not measured')}.")
+    for section in sections:
+        lines += ["", f"## {section.title}", "", section.note, ""]
+        head = ["method", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "tok/s vs baseline"]
+        head += [f"saved act. ({p})" for p in paths] + ["mean max weight", "mean norm. entropy"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows[section.title]:
+            n = len(r["runs"])
+            cells = [r["label"], ",".join(map(str, r["seeds"])), f"{r['steps']:.0f}", f"{r['wall_s']:.0f}",
+                     _pm(r["val_ppl"], r["val_ppl_std"], n, ".3f"),
+                     _pm(r["ppl_change_pct"], r["ppl_change_pct_std"], n, "+.2f") + " %",
+                     f"{r['tok_per_s_rel']:.2f}x"]
+            cells += [f"{r['saved_bytes_rel'][p]:.2f}x" for p in paths]
+            cells += ["—" if r["mean_max_weight"] is None else f"{r['mean_max_weight']:.3f}",
+                      "—" if r["mean_entropy"] is None else f"{r['mean_entropy']:.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, out: str) -> list[str]:
+    """val_loss.png (Table 1 curves with min-max seed bands), blocks.png (PPL vs sources), routing_*.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import eval as evaluation
+
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for label, names in sections[0].rows:
+        curves = [np.array(figures[n]["curve"]) for n in names if figures.get(n)]
+        if not curves or len({len(c) for c in curves}) > 1:
+            continue
+        steps, losses = curves[0][:, 0], np.stack([c[:, 1] for c in curves])   # (seeds, points)
+        for ax in axes:
+            line, = ax.plot(steps, losses.mean(0), "o-", ms=3, label=f"{label} ({len(curves)} seeds)")
+            ax.fill_between(steps, losses.min(0), losses.max(0), color=line.get_color(), alpha=0.2)
+    if axes[0].lines:
+        half = axes[0].lines[0].get_xdata()[len(axes[0].lines[0].get_xdata()) // 2]
+        tail = [y for line in axes[1].lines for x, y in zip(line.get_xdata(), line.get_ydata()) if x >= half]
+        axes[1].set(xlim=(half, None), ylim=(min(tail) - 0.01, max(tail) + 0.01), title="second half, zoomed")
+        axes[0].set(title="validation loss, mean and min-max over seeds")
+        for ax in axes:
+            ax.set(xlabel="step", ylabel="val loss (nats/token)")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(out, "val_loss.png"))
+        fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    blocks = [r for r in rows.get(sections[1].title, []) if r["label"] != "baseline"] if len(sections) > 1 else []
+    if blocks:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        sources = [int(r["label"].split(", ")[1].split()[0]) + 1 if "blocks" in r["label"] else 25 for r in blocks]
+        ax.plot(sources, [r["val_ppl"] for r in blocks], "o-", label="delta_block (K blocks: K + 1 sources), seed 0")
+        ax.annotate("delta (fine-grained)", (sources[-1], blocks[-1]["val_ppl"]), fontsize=8,
+                    textcoords="offset points", xytext=(-90, 8))
+        t1 = {r["label"]: r for r in rows[sections[0].title]}
+        for label, color in (("baseline", "gray"), ("delta_block", "C1"), ("delta", "C2")):
+            if label in t1:
+                r = t1[label]
+                ax.axhspan(r["val_ppl"] - r["val_ppl_std"], r["val_ppl"] + r["val_ppl_std"], color=color, alpha=0.15,
+                           label=f"Table 1 {label}: mean ± std over seeds")
+        ax.set(xscale="log", xlabel="sources read by the last sublayer", ylabel="val PPL",
+               title="PPL vs number of blocks (L = 12)")
+        ax.set_xticks(sources, [str(s) for s in sources])
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(os.path.join(out, "blocks.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    routed = {label: figures[names[0]]["routing"] for label, names in sections[0].rows
+              if label in ("attnres", "delta_block") and figures.get(names[0])}
+    if len(routed) == 2:
+        paths += evaluation.plot_routing(routed, os.path.join(out, "routing"))
+    return paths
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "torch": torch.__version__}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+
+def summarise(runs: list[Run], sections: list[Section], out: str, triton: bool, invocation_s: float,
+              command: str) -> dict:
+    """Write OUT/results.json, OUT/table.md and the plots from whatever runs have finished."""
+    by_name = {r.name: r for r in runs}
+    figures = {r.name: run_figures(r, out) for r in runs}
+    configs = {memory_key(r): asdict(model_config(r)) for r in runs}
+    memory: dict = {"reference": saved_bytes_for(configs, "reference")}
+    memory["triton"] = saved_bytes_triton(configs, 300) if triton else "not measured (--no_triton)"
+    rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
+    import train
+    model_cfg, train_cfg = train.load_config([CONFIG])
+    meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": CONFIG,
+            "model": f"L={model_cfg.n_layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
+                     f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",
+            "invocation_wall_s": invocation_s,
+            "train_wall_s_sum": sum(f["wall_s"] for f in figures.values() if f)}
+    results = {**meta, "memory_shape": MEMORY_SHAPE, "saved_bytes": memory,
+               "sections": [{"title": s.title, "note": s.note, "rows": rows[s.title]} for s in sections],
+               "runs": figures}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(markdown(sections, rows, memory, meta))
+    results["plots"] = plot(sections, rows, figures, out)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/sweep", help="results folder; runs go to OUT/runs/<name>")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one process each)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--budget_s", type=float, help="equal wall-clock budget (default: the baseline's wall time)")
+    p.add_argument("--report_only", action="store_true", help="write the table, JSON and plots; train nothing")
+    p.add_argument("--no_triton", action="store_true", help="skip the kernel path's memory count")
+    args = p.parse_args(argv)
+    start = time.time()
+    runs, sections = full_plan()
+    failed = [] if args.report_only else execute(runs, args.out, args.jobs, args.threads, args.budget_s)
+    torch.set_num_threads(max(1, args.jobs * args.threads))
+    results = summarise(runs, sections, args.out, not args.no_triton, time.time() - start,
+                        "python sweep.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"wrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'table.md')}, "
+          f"{', '.join(results['plots'])} | {_clock(time.time() - start)}")
+    if failed:
+        print(f"failed runs: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""sweep.py's machinery on a 2-run plan of a few steps: training, skipping finished runs, redoing an unfinished
+one, the equal wall-clock pacing, and the table and JSON it writes."""
+import json
+import os
+
+import pytest
+
+import sweep
+from sweep import Run, Section
+
+TINY = {"d_model": 16, "n_layers": 2, "n_blocks": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8, "d_ff": 32,
+        "seq_len": 16, "batch_size": 4, "micro_batch_size": 4, "max_steps": 6, "warmup_steps": 2,
+        "eval_interval": 3, "eval_batches": 2, "log_interval": 2}
+
+
+def plan():
+    runs = [Run("base_s0", {**TINY, "residual": "baseline", "seed": 0}),
+            Run("db_s0", {**TINY, "residual": "delta_block", "seed": 0}, 1.3)]
+    return runs, [Section("Tiny", "two runs", [("baseline", ["base_s0"]), ("delta_block", ["db_s0"])])]
+
+
+def log_path(out, name):
+    return os.path.join(out, "runs", name, "log.jsonl")
+
+
+def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
+    out = str(tmp_path)
+    runs, sections = plan()
+    assert sweep.execute(runs, out, jobs=1, threads=1) == []
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and all("trained" in line and "val ppl" in line for line in lines)
+    assert lines[-1].startswith("[ 2/2]")
+
+    # An interrupted run: its log lost the final record. The finished run must be left alone.
+    base_log = open(log_path(out, "base_s0")).read()
+    base_mtime = os.stat(log_path(out, "base_s0")).st_mtime_ns
+    records = [json.loads(line) for line in open(log_path(out, "db_s0"))]
+    with open(log_path(out, "db_s0"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records if not r.get("final"))
+    assert sweep.execute(runs, out, jobs=1, threads=1) == []
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [("skipped" in line, "trained" in line) for line in lines] == [(True, False), (False, True)]
+    assert open(log_path(out, "base_s0")).read() == base_log
+    assert os.stat(log_path(out, "base_s0")).st_mtime_ns == base_mtime
+    redone = [json.loads(line) for line in open(log_path(out, "db_s0"))]
+    assert sum(bool(r.get("final")) for r in redone) == 1 and len(redone) == len(records)
+
+    results = sweep.summarise(runs, sections, out, triton=False, invocation_s=1.0, command="test")
+    saved = json.load(open(os.path.join(out, "results.json")))
+    assert {"git_commit", "machine", "date", "saved_bytes", "sections", "runs"} <= set(saved)
+    assert {"platform", "cpu", "torch"} <= set(saved["machine"])
+    base, db = saved["sections"][0]["rows"]
+    assert base["ppl_change_pct"] == 0 and base["tok_per_s_rel"] == 1 and base["saved_bytes_rel"]["reference"] == 1
+    assert base["mean_max_weight"] is None
+    assert 0 < db["mean_max_weight"] <= 1 and 0 < db["mean_entropy"] <= 1
+    assert db["saved_bytes_rel"]["reference"] > 1          # the sources are kept for backward
+    assert db["val_ppl"] == pytest.approx(saved["runs"]["db_s0"]["val_ppl"])
+    assert [p for p, _ in saved["runs"]["db_s0"]["curve"]] == [3, 6]
+    table = open(os.path.join(out, "table.md")).read().splitlines()
+    header = next(line for line in table if line.startswith("| method"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "method", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "tok/s vs baseline",
+        "saved act. (reference)", "mean max weight", "mean norm. entropy"]
+    assert any(line.startswith("| delta_block | 0 | 6 |") for line in table)
+    assert results["plots"] == [os.path.join(out, "val_loss.png")] and os.path.getsize(results["plots"][0]) > 0
+
+
+def test_equal_wall_clock_pace(tmp_path):
+    """The budget is the baseline's mean equal-steps wall time; each method's schedule is the steps it made in it."""
+    out = str(tmp_path)
+    walls = {"t1_baseline_s0": (600, 100.0), "t1_baseline_s1": (600, 120.0), "t1_delta_s0": (600, 330.0)}
+    for name, (step, wall) in walls.items():
+        os.makedirs(os.path.join(out, "runs", name))
+        with open(log_path(out, name), "w") as f:
+            f.write(json.dumps({"step": step, "val_loss": 1.0, "val_ppl": 2.7, "final": True, "wall_s": wall}) + "\n")
+    runs = [Run("t1_baseline_s0", {"residual": "baseline", "seed": 0}),
+            Run("t1_baseline_s1", {"residual": "baseline", "seed": 1}),
+            Run("t1_delta_s0", {"residual": "delta", "seed": 0}),
+            Run("wall_baseline_s0", {"residual": "baseline", "seed": 0}, pace_from="t1_baseline_s0"),
+            Run("wall_delta_s0", {"residual": "delta", "seed": 0}, pace_from="t1_delta_s0")]
+    budget = sweep.wall_budget(runs, out, None)
+    assert budget == 110.0
+    assert sweep.pace(runs[4], out, budget) == {"max_steps": 200, "time_budget_s": 110.0, "eval_interval": 25}
+    assert sweep.pace(runs[3], out, budget)["max_steps"] == 660
+    assert sweep.wall_budget(runs, out, 50.0) == 50.0
