@@ -131,6 +131,8 @@ def run_argv(run: Run, out: str, extra: dict | None = None) -> list[str]:
 def pace(run: Run, out: str, budget_s: float) -> dict:
     """Equal wall-clock: the steps this method made per second in its equal-steps run, times the budget."""
     final = final_record(os.path.join(out, "runs", run.pace_from))
+    if final is None:
+        raise RuntimeError(f"its equal-steps run {run.pace_from} has not finished")
     steps = max(1, int(final["step"] * budget_s / final["wall_s"]))
     return {"max_steps": steps, "time_budget_s": budget_s, "eval_interval": max(1, steps // 8)}
 
@@ -139,9 +141,11 @@ def wall_budget(runs: list[Run], out: str, budget_s: float | None) -> float:
     """The equal wall-clock budget: given, or the mean wall time of the baseline's equal-steps runs."""
     if budget_s:
         return budget_s
-    walls = [final_record(os.path.join(out, "runs", r.name))["wall_s"] for r in runs
-             if r.pace_from is None and r.overrides.get("residual") == "baseline"]
-    return float(np.mean(walls))
+    finals = [final_record(os.path.join(out, "runs", r.name)) for r in runs
+              if r.pace_from is None and r.overrides.get("residual") == "baseline"]
+    if not finals or None in finals:
+        raise RuntimeError("the baseline's equal-steps runs, which set the budget, have not all finished")
+    return float(np.mean([f["wall_s"] for f in finals]))
 
 
 def _clock(seconds: float) -> str:
@@ -180,15 +184,19 @@ def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float 
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
     try:
         for phase in (steps_first, wall_last):
-            extra = {}
-            if phase is wall_last and phase:
-                budget = wall_budget(runs, out, budget_s)
-                extra = {r.name: pace(r, out, budget) for r in phase}
-            futures = {}
-            for run in phase:
-                args = (run_argv(run, out, extra.get(run.name)), os.path.join(out, "runs", run.name), threads)
-                futures[pool.submit(train_one, *args) if pool else _now(train_one, *args)] = run
-            while futures:
+            queue, futures = list(phase), {}
+            while queue or futures:
+                while queue and len(futures) < jobs:    # jobs = 1: train here, one run at a time
+                    run = queue.pop(0)
+                    out_dir = os.path.join(out, "runs", run.name)
+                    try:
+                        extra = pace(run, out, wall_budget(runs, out, budget_s)) if run.pace_from else None
+                    except RuntimeError as e:
+                        failed.append(run.name)
+                        report(run, None, f"FAILED: {e}")
+                        continue
+                    args = (run_argv(run, out, extra), out_dir, threads)
+                    futures[pool.submit(train_one, *args) if pool else _now(train_one, *args)] = run
                 finished, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for future in finished:
                     run = futures.pop(future)
@@ -199,7 +207,7 @@ def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float 
                         report(run, None, f"FAILED: {type(e).__name__}: {e}")
     finally:
         if pool:
-            pool.shutdown()
+            pool.shutdown(cancel_futures=True)
     return failed
 
 
@@ -309,9 +317,14 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
 
 
 def memory_key(run: Run) -> str:
+    """The name of the model a run trains, as far as memory goes: method, blocks, sources, gate."""
     cfg = model_config(run)
-    return "baseline" if cfg.residual == "baseline" else \
-        f"{cfg.residual}/K{cfg.n_blocks}/{cfg.block_source}/gate{int(cfg.gate)}"
+    key = cfg.residual
+    if cfg.residual in ("attnres", "delta_block"):
+        key += f"/K{cfg.n_blocks}"
+    if cfg.residual == "delta_block":
+        key += f"/{cfg.block_source}"
+    return key + ("/gate" if cfg.gate else "")
 
 
 def _pm(mean: float, std: float, n: int, fmt: str) -> str:
