@@ -274,11 +274,12 @@ def run_figures(run: Run, out: str) -> dict | None:
     final = next((r for r in log if r.get("final")), None)
     if final is None:
         return None
-    speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r][1:]   # the first interval includes start-up
+    speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r]
+    speeds = speeds[1:] or speeds          # the first interval includes start-up, unless it is the only one
     cfg = model_config(run)
     figures = {"overrides": run.overrides, "pace_from": run.pace_from, "val_ppl": final["val_ppl"],
                "val_loss": final["val_loss"], "step": final["step"], "wall_s": final["wall_s"],
-               "tok_per_s": float(np.mean(speeds)) if speeds else None,
+               "tok_per_s": float(np.mean(speeds)),
                "curve": [[r["step"], r["val_loss"]] for r in log if "val_loss" in r]}
     if cfg.residual != "baseline":
         figures["routing"] = routing_summary(out_dir)
@@ -305,8 +306,9 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
         change_mean, change_std = _mean_std(change)
         routed = [f["routing"] for f in got if "routing" in f]
         key = memory_key(runs[names[0]])
+        cfg = model_config(runs[names[0]])
         rows.append({
-            "label": label, "runs": names, "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
+            "label": label, "runs": names, "residual": cfg.residual, "sources": n_sources(cfg), "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
             "wall_s": float(np.mean([f["wall_s"] for f in got])), "val_ppl": ppl, "val_ppl_std": ppl_std,
             "ppl_change_pct": change_mean, "ppl_change_pct_std": change_std,
             "tok_per_s_rel": float(np.mean([f["tok_per_s"] for f in got]) / ref_speed),
@@ -314,6 +316,12 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
             "mean_max_weight": float(np.mean([r["mean_max_weight"] for r in routed])) if routed else None,
             "mean_entropy": float(np.mean([r["mean_entropy"] for r in routed])) if routed else None})
     return rows
+
+
+def n_sources(cfg) -> int:
+    """Sources as Table 4 counts them: K + 1 for K blocks (the partial included), 2L + 1 fine-grained."""
+    return {"baseline": 0, "attnres": cfg.n_blocks + 1, "delta_block": cfg.n_blocks + 1}.get(
+        cfg.residual, 2 * cfg.n_layers + 1)
 
 
 def memory_key(run: Run) -> str:
@@ -328,7 +336,7 @@ def memory_key(run: Run) -> str:
 
 
 def _pm(mean: float, std: float, n: int, fmt: str) -> str:
-    return f"{mean:{fmt}} ± {std:{fmt}}" if n > 1 else f"{mean:{fmt}}"
+    return f"{mean:{fmt}} ± {std:{fmt.lstrip('+')}}" if n > 1 else f"{mean:{fmt}}"
 
 
 def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict, meta: dict) -> str:
@@ -394,19 +402,21 @@ def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, ou
     blocks = [r for r in rows.get(sections[1].title, []) if r["label"] != "baseline"] if len(sections) > 1 else []
     if blocks:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        sources = [int(r["label"].split(", ")[1].split()[0]) + 1 if "blocks" in r["label"] else 25 for r in blocks]
-        ax.plot(sources, [r["val_ppl"] for r in blocks], "o-", label="delta_block (K blocks: K + 1 sources), seed 0")
+        sources = [r["sources"] for r in blocks]
+        # Table 4 is one seed: the bars are Table 1's seed-to-seed std of the same method (a scale for noise).
+        t1 = {r["label"]: r for r in rows[sections[0].title]}
+        noise = [t1.get(r["residual"], {}).get("val_ppl_std", 0.0) for r in blocks]
+        ax.errorbar(sources, [r["val_ppl"] for r in blocks], yerr=noise, fmt="o-", capsize=3,
+                    label="delta_block with K blocks (K + 1 sources), then delta; seed 0\n"
+                          "bars: Table 1's std over seeds")
         ax.annotate("delta (fine-grained)", (sources[-1], blocks[-1]["val_ppl"]), fontsize=8,
                     textcoords="offset points", xytext=(-90, 8))
-        t1 = {r["label"]: r for r in rows[sections[0].title]}
-        for label, color in (("baseline", "gray"), ("delta_block", "C1"), ("delta", "C2")):
-            if label in t1:
-                r = t1[label]
-                ax.axhspan(r["val_ppl"] - r["val_ppl_std"], r["val_ppl"] + r["val_ppl_std"], color=color, alpha=0.15,
-                           label=f"Table 1 {label}: mean ± std over seeds")
-        ax.set(xscale="log", xlabel="sources read by the last sublayer", ylabel="val PPL",
-               title="PPL vs number of blocks (L = 12)")
-        ax.set_xticks(sources, [str(s) for s in sources])
+        reference = rows[sections[1].title][0]
+        ax.axhline(reference["val_ppl"], ls="--", color="gray", label="baseline, seed 0")
+        ax.set(xscale="log", xlabel="sources (K + 1 for K blocks; 2L + 1 fine-grained, as the paper counts)",
+               ylabel="val PPL", title="PPL vs number of blocks")
+        ax.set_xticks(sources, [str(x) for x in sources])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(os.path.join(out, "blocks.png"))
