@@ -10,9 +10,9 @@ One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and 
   wall      baseline, delta, delta_block with the same time_budget_s (the baseline's equal-steps wall time);
             each method's cosine schedule is as long as the steps its Table 1 run made in that time;
   gate      delta_block with gate=True against Table 1's ungated seed-0 run.
-Runs are shared between tables where they are the same run. A run whose log.jsonl has its final record is
-skipped, so an interrupted sweep continues where it stopped. Writes OUT/runs/<run>/ (log.jsonl, stdout.txt,
-checkpoint), OUT/results.json, OUT/table.md and OUT/*.png.
+Two runs train at once, one thread each (--jobs, --threads); runs shared between tables are trained once.
+A run whose log.jsonl has its final record is skipped, so an interrupted sweep continues where it stopped.
+Writes OUT/runs/<run>/ (log.jsonl, stdout.txt, checkpoint), OUT/results.json, OUT/table.md and OUT/*.png.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import redirect_stdout
 from dataclasses import asdict, dataclass
 
@@ -153,7 +153,7 @@ def _clock(seconds: float) -> str:
 
 
 def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float | None = None) -> list[str]:
-    """Train every unfinished run, equal-steps runs first (longest first), then the equal wall-clock ones, whose
+    """Train every unfinished run, equal-steps runs first, then the equal wall-clock ones, whose
     steps come from the former. One progress line per run. Returns the names of runs that failed."""
     import train
     train.data_dir(train.TrainConfig())         # prepare the corpus once, before workers race to do it
@@ -179,7 +179,9 @@ def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float 
             report(run, final, "skipped")
         else:
             pending.append(run)
-    steps_first = sorted([r for r in pending if r.pace_from is None], key=lambda r: -r.cost)
+    # Seed by seed, so an interrupted sweep has complete tables for the first seeds; longest first within one,
+    # so the two workers finish together.
+    steps_first = sorted([r for r in pending if r.pace_from is None], key=lambda r: (r.overrides["seed"], -r.cost))
     wall_last = [r for r in pending if r.pace_from is not None]
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
     try:
@@ -213,7 +215,6 @@ def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float 
 
 def _now(fn, *args):
     """A finished future holding fn(*args): jobs=1 runs in this process through the same loop."""
-    from concurrent.futures import Future
     future = Future()
     try:
         future.set_result(fn(*args))
