@@ -15,8 +15,8 @@ micro_batch_size = 16
 seq_len = 64
 lr = 3e-3
 warmup_steps = 50
-max_steps = 600
-eval_interval = 75           # 8 validation points per run
+max_steps = 800
+eval_interval = 100          # 8 validation points per run
 eval_batches = 16            # the same 16 x 16 x 64 = 16K held-out tokens every time
 log_interval = 25
 keep_checkpoints = 1
