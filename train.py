@@ -280,6 +280,10 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
         torch.backends.cudnn.allow_tf32 = True
 
     resume_from, meta = None, None
+    if not cfg.resume and checkpoint_paths(cfg.out_dir):
+        raise FileExistsError(f"{cfg.out_dir} already holds checkpoints of another run "
+                              f"({os.path.basename(checkpoint_paths(cfg.out_dir)[-1])}): pass --resume to continue "
+                              "it, or choose another --out_dir")
     if cfg.resume:
         if not checkpoint_paths(cfg.out_dir):
             raise FileNotFoundError(f"--resume: no checkpoint (ckpt_*.pt or ckpt_*/) in {cfg.out_dir}")
@@ -314,11 +318,11 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
                                     compile=cfg.compile)
     optimizer = torch.optim.AdamW(_rebind(group_spec, names, raw), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   fused=device.type == "cuda" and cfg.parallel == "ddp")
-    step = 0
+    step, saved_at = 0, None
     if resume_from is not None:
         distributed.load(model, optimizer, resume_from)
         train_loader.load_state_dict(meta["loader"])
-        step = meta["step"]
+        step = saved_at = meta["step"]
 
     log = _Logger(cfg, ctx.is_main, {"model": asdict(model_cfg), "train": asdict(cfg)})
     if ctx.is_main:
@@ -338,7 +342,7 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
 
     step_tokens = cfg.batch_size * cfg.seq_len
     mfu_flops = flops_per_token(model_cfg, cfg.seq_len) / (cfg.peak_flops * world)
-    losses, t0, t_log, steps_since_log, saved_at = [], time.time(), time.time(), 0, None
+    losses, t0, t_log, steps_since_log = [], time.time(), time.time(), 0
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:

@@ -172,3 +172,17 @@ def test_flops_per_token_counts_every_matmul_weight():
     cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, residual="delta")
     weights = sum(p.numel() for p in Model(cfg).parameters() if p.dim() == 2)  # the tied embedding is the head
     assert train.flops_per_token(cfg, 128) == 6 * weights + 12 * 3 * 4 * 16 * 128
+
+
+def test_a_fresh_run_refuses_another_runs_checkpoints(tmp_path):
+    run(tmp_path, "--max_steps=2")
+    with pytest.raises(FileExistsError, match="ckpt_0000002.pt.*--resume"):
+        run(tmp_path, "--max_steps=2")
+
+
+def test_resuming_a_finished_run_writes_nothing_new(tmp_path):
+    run(tmp_path, "--max_steps=2")
+    before = os.path.getmtime(train.checkpoint_paths(tmp_path)[-1])
+    result = run(tmp_path, "--max_steps=2", "--resume")
+    assert result["step"] == 2 and result["losses"] == []
+    assert os.path.getmtime(train.checkpoint_paths(tmp_path)[-1]) == before
