@@ -63,6 +63,9 @@ class ModelConfig:
                              "(blocks are made of whole layers)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.residual != "delta_block" and (self.block_source != "boundary" or not self.include_partial):
+            raise ValueError(f"block_source and include_partial choose Delta Block's sources; residual="
+                             f"{self.residual!r} has no block deltas (use residual='delta_block')")
         if self.residual == "baseline" and (self.gate or self.null_source):
             raise ValueError("gate and null_source need a routed method; residual='baseline' has no routing")
         if self.gate and self.residual in ("attnres", "full_attnres"):

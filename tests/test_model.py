@@ -129,3 +129,10 @@ def test_paper_config_parameter_counts(size):
         with torch.device("meta"):
             n = Model(model_cfg).num_params()
         assert abs(n / LABELS[size] - 1) < 0.03, (path, n)
+
+
+@pytest.mark.parametrize("residual", ["delta", "attnres", "full_attnres", "baseline"])
+def test_block_source_options_need_delta_block(residual):
+    for option in (dict(block_source="paper"), dict(include_partial=False)):
+        with pytest.raises(ValueError, match="choose Delta Block's sources"):
+            ModelConfig(**{**TINY, "residual": residual, "n_blocks": 2, **option})
