@@ -350,10 +350,13 @@ def routing_off(model: Model):
 @torch.no_grad()
 def step0_check(model: Model, cfg: TrainConfig, device: torch.device) -> dict:
     """Max |logit difference| between the converted and the pretrained model on the first validation batch,
-    and both validation losses (over cfg.eval_batches), before any training."""
+    and both validation losses (over the windows train.py validates on), before any training."""
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     model.to(device).eval()
-    loader = data.ShardLoader(cfg.data, "val", cfg.micro_batch_size, cfg.seq_len, shuffle=False)
+    # the same windows train.py validates on: the first eval_batches x batch_size, in order
+    loader = data.ShardLoader(cfg.data, "val", cfg.micro_batch_size, cfg.seq_len, shuffle=False,
+                              step_batch=cfg.batch_size)
+    n_batches = cfg.eval_batches * (cfg.batch_size // cfg.micro_batch_size)
     x = loader.next_batch()[0].to(device)                                      # (B, T)
     with autocast:
         converted = model(x)                                                   # (B, T, V)
@@ -362,9 +365,9 @@ def step0_check(model: Model, cfg: TrainConfig, device: torch.device) -> dict:
     # one row at a time: an fp32 copy of a whole (B, T, 151936) batch would be tens of GB
     diff = max((converted[i].float() - pretrained[i].float()).abs().max().item() for i in range(x.shape[0]))
     del converted, pretrained
-    val_converted = train.evaluate(model, loader, cfg.eval_batches, autocast, device)
+    val_converted = train.evaluate(model, loader, n_batches, autocast, device)
     with routing_off(model):
-        val_pretrained = train.evaluate(model, loader, cfg.eval_batches, autocast, device)
+        val_pretrained = train.evaluate(model, loader, n_batches, autocast, device)
     return {"step": 0, "init_max_abs_logit_diff": diff, "init_is_identity": diff == 0.0,
             "val_loss_pretrained": val_pretrained, "val_loss_converted": val_converted}
 

@@ -3,7 +3,7 @@ FineWeb-Edu, 20K steps of batch 32, 500 warmup steps then cosine, backbone lr 5e
 The architecture is read from the checkpoint's config.json (finetune.py), not from here."""
 router_lr_scale = 100.0      # router lr = 5e-5 x 100 = 5e-3 (only routed models have routers)
 text = "fineweb"             # FineWeb-Edu sample-10BT, streamed and tokenised with the checkpoint's tokenizer.json
-text_max_tokens = 20_000 * 32 * 2048  # exactly the tokens of 20K steps: one pass, no repeats
+text_max_tokens = 20_100 * 32 * 2048  # the tokens of 20K steps with slack for windows lost at shard ends
 text_val_docs = 1000
 data = "data/finetune_fineweb_edu_qwen3"
 

@@ -245,7 +245,7 @@ def test_gated_init_logs_identity_and_freeze_backbone(ckpts, corpus, tmp_path, c
     assert step0["val_loss_converted"] == step0["val_loss_pretrained"]
     assert "the init is an exact identity" in capsys.readouterr().out
     # the pretrained side of the check is the baseline conversion of the same checkpoint
-    cfg = TrainConfig(data=str(tmp_path / "data"), micro_batch_size=4, seq_len=32, eval_batches=2)
+    cfg = TrainConfig(data=str(tmp_path / "data"), batch_size=4, micro_batch_size=4, seq_len=32, eval_batches=2)
     base = finetune.step0_check(load_hf_qwen3(str(folder)), cfg, torch.device("cpu"))
     assert base["val_loss_converted"] == step0["val_loss_pretrained"]
     changes = step_changes(folder, tmp_path, **routed)
