@@ -6,8 +6,8 @@ Two corpora are prepared into the same on-disk layout, `data_dir/{split}_{k:06d}
     python data.py fineweb --out=data/fineweb_edu_gpt2 --tokenizer=gpt2     # FineWeb-Edu, streamed
 
 A shard is a 256-byte little-endian header (32 int64: magic, version, dtype code, token count, vocab size,
-then zeros) followed by the tokens as uint16 or uint32. `ShardLoader` reads non-overlapping windows of
-T+1 tokens from the shards of one split and deals them out to DDP ranks.
+then zeros) followed by the tokens as uint16 or uint32. `ShardLoader` reads windows of T+1 tokens at
+stride T (consecutive windows share one token) from the shards of one split and deals them out to DDP ranks.
 """
 import argparse
 import glob

@@ -5,8 +5,8 @@ A checkpoint is either one `torch.save` file `ckpt_{step:07d}.pt` (single proces
 it) or, for FSDP, a sharded `torch.distributed.checkpoint` directory `ckpt_{step:07d}/` (every rank writes
 its shards; `meta.json` holds the step, loader position and configs). Both are written under a temporary
 name and renamed, so a crash mid-save leaves the previous checkpoint intact. `load_checkpoint` reads either
-kind into the same dict (keys model, optimizer, loader, step, model_config, train_config); to turn a
-sharded directory into one file for eval.py or finetune.py:
+kind into the same dict (keys model, optimizer, loader, step, model_config, train_config), so eval.py and
+finetune.py read both; to turn a sharded directory into one file (to copy or share it):
 
     python distributed.py consolidate out/run/ckpt_0001000            # -> out/run/ckpt_0001000.full.pt
 """

@@ -6,8 +6,8 @@
     python eval.py out/tiny_attnres out/tiny_delta_block --routing --out=docs/routing_tiny
     python eval.py CKPT --sample "ROMEO:" --temperature=0.8 --top_k=40
 
-CKPT is a checkpoint file that train.py writes, an out_dir (its newest ckpt_*.pt), or a Hugging Face Qwen3
-folder (pretrained weights, read by finetune.load_hf_qwen3). Perplexity and task results go to a JSON next to
+CKPT is a checkpoint file that train.py writes, a sharded FSDP checkpoint folder (ckpt_*/ with meta.json), an
+out_dir (its newest checkpoint), or a Hugging Face Qwen3 folder (pretrained weights, read by finetune.load_hf_qwen3). Perplexity and task results go to a JSON next to
 the checkpoint (ckpt_0000600.eval.json; eval.json in a Qwen3 folder); the routing analysis writes OUT.json,
 OUT_depth.png (max weight and normalised entropy by depth) and OUT_matrix.png (receiver x source).
 """
@@ -82,9 +82,7 @@ def load_model(path: str, device: torch.device | str = "cpu") -> tuple[Model, di
     if unknown:
         raise ValueError(f"{path}: model_config has fields this model.py does not know: {sorted(unknown)}")
     model = Model(ModelConfig(**ckpt["model_config"]))
-    # torch.compile and DDP wrappers prefix parameter names; the saved tensors are the same.
-    state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
-    model.load_state_dict(state)
+    model.load_state_dict(ckpt["model"])
     ckpt["path"] = path
     return model.to(device).eval(), ckpt
 
@@ -436,7 +434,7 @@ def _label(path: str) -> str:
 
 def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoints", nargs="+", help="checkpoint files or out_dirs (newest ckpt_*.pt)")
+    p.add_argument("checkpoints", nargs="+", help="checkpoint files or folders, out_dirs (newest checkpoint), Qwen3 folders")
     p.add_argument("--data", help="a shard directory or a text file (default: the run's held-out split)")
     p.add_argument("--split", default="val")
     p.add_argument("--seq_len", type=int, help="evaluation window (default: the run's training seq_len)")

@@ -17,10 +17,10 @@ import os
 import torch
 
 from model import Model, ModelConfig
+from router import METHODS
 
 SCALED_1044M = dict(vocab_size=256, d_model=160, n_layers=36, n_heads=5, n_kv_heads=1, head_dim=32, d_ff=640,
                     n_blocks=8)
-METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 TARGETS = {"delta_block": 1.05, "delta": 1.25}   # kernel path, relative to the baseline
 
 
