@@ -120,9 +120,9 @@ def make_policy(residual: str, n_layers: int, n_blocks: int = 1, block_source: s
 class DepthState:
     """The routing state of one forward pass, driven by the model's sublayer loop:
 
-        state = DepthState(policy, routers, e, route)
-        for each sublayer f_l:  state.add(f_l(state.input()))
-        h = state.output()
+        state = DepthState(policy, routers, e, route, eps)
+        for each sublayer f_l with pre-norm n_l:  state.add(f_l(state.input(n_l)))
+        y = state.output(final_norm)
 
     It keeps the ordinary residual stream h~ (the sum of the embedding and every output so far), the
     committed sources, and the partial: the sum of outputs since the last commit (None when empty).
