@@ -54,7 +54,7 @@ class Run:
     name: str                        # its out_dir under OUT/runs
     overrides: dict                  # config keys on top of CONFIG
     cost: float = 1.0                # expected wall time relative to an equal-steps baseline run
-    pace_from: str | None = None     # equal wall-clock: the equal-steps run whose pace sets max_steps
+    pace_from: tuple[str, ...] = ()  # equal wall-clock: the equal-steps runs whose pace sets max_steps
 
 
 @dataclass
@@ -80,7 +80,7 @@ def full_plan() -> tuple[list[Run], list[Section]]:
     wall = []
     for label in ("baseline", "delta", "delta_block"):
         slug, overrides, _ = METHODS[label]
-        runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0, pace_from=f"t1_{slug}_s0"))
+        runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0, pace_from=tuple(f"t1_{slug}_s{s}" for s in SEEDS)))
         wall.append((label, [f"wall_{slug}_s0"]))
     runs.append(Run("gate_delta_block_s0", {"residual": "delta_block", "gate": True, "seed": 0}, 1.35))
     gate = [("baseline", ["t1_baseline_s0"]), ("delta_block, no gate (zero queries)", ["t1_delta_block_s0"]),
@@ -129,11 +129,12 @@ def run_argv(run: Run, out: str, extra: dict | None = None) -> list[str]:
 
 
 def pace(run: Run, out: str, budget_s: float) -> dict:
-    """Equal wall-clock: the steps this method made per second in its equal-steps run, times the budget."""
-    final = final_record(os.path.join(out, "runs", run.pace_from))
-    if final is None:
-        raise RuntimeError(f"its equal-steps run {run.pace_from} has not finished")
-    steps = max(1, int(final["step"] * budget_s / final["wall_s"]))
+    """Equal wall-clock: the budget times this method's steps per second in its equal-steps runs (all seeds)."""
+    finals = {name: final_record(os.path.join(out, "runs", name)) for name in run.pace_from}
+    missing = [name for name, final in finals.items() if final is None]
+    if missing:
+        raise RuntimeError(f"its equal-steps runs {', '.join(missing)} have not finished")
+    steps = max(1, int(np.mean([f["step"] / f["wall_s"] for f in finals.values()]) * budget_s))
     return {"max_steps": steps, "time_budget_s": budget_s, "eval_interval": max(1, steps // 8)}
 
 
@@ -142,7 +143,7 @@ def wall_budget(runs: list[Run], out: str, budget_s: float | None) -> float:
     if budget_s:
         return budget_s
     finals = [final_record(os.path.join(out, "runs", r.name)) for r in runs
-              if r.pace_from is None and r.overrides.get("residual") == "baseline"]
+              if not r.pace_from and r.overrides.get("residual") == "baseline"]
     if not finals or None in finals:
         raise RuntimeError("the baseline's equal-steps runs, which set the budget, have not all finished")
     return float(np.mean([f["wall_s"] for f in finals]))
@@ -181,8 +182,8 @@ def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float 
             pending.append(run)
     # Seed by seed, so an interrupted sweep has complete tables for the first seeds; longest first within one,
     # so the two workers finish together.
-    steps_first = sorted([r for r in pending if r.pace_from is None], key=lambda r: (r.overrides["seed"], -r.cost))
-    wall_last = [r for r in pending if r.pace_from is not None]
+    steps_first = sorted([r for r in pending if not r.pace_from], key=lambda r: (r.overrides["seed"], -r.cost))
+    wall_last = [r for r in pending if r.pace_from]
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
     try:
         for phase in (steps_first, wall_last):
@@ -278,7 +279,7 @@ def run_figures(run: Run, out: str) -> dict | None:
     speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r]
     speeds = speeds[1:] or speeds          # the first interval includes start-up, unless it is the only one
     cfg = model_config(run)
-    figures = {"overrides": run.overrides, "pace_from": run.pace_from, "val_ppl": final["val_ppl"],
+    figures = {"overrides": run.overrides, "pace_from": list(run.pace_from), "val_ppl": final["val_ppl"],
                "val_loss": final["val_loss"], "step": final["step"], "wall_s": final["wall_s"],
                "tok_per_s": float(np.mean(speeds)),
                "curve": [[r["step"], r["val_loss"]] for r in log if "val_loss" in r]}
@@ -456,7 +457,7 @@ def summarise(runs: list[Run], sections: list[Section], out: str, triton: bool, 
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
     import train
     model_cfg, train_cfg = train.load_config([CONFIG])
-    meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+    meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": CONFIG,
             "model": f"L={model_cfg.n_layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
                      f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",

@@ -76,14 +76,14 @@ def test_equal_wall_clock_pace(tmp_path):
     runs = [Run("t1_baseline_s0", {"residual": "baseline", "seed": 0}),
             Run("t1_baseline_s1", {"residual": "baseline", "seed": 1}),
             Run("t1_delta_s0", {"residual": "delta", "seed": 0}),
-            Run("wall_baseline_s0", {"residual": "baseline", "seed": 0}, pace_from="t1_baseline_s0"),
-            Run("wall_delta_s0", {"residual": "delta", "seed": 0}, pace_from="t1_delta_s0")]
+            Run("wall_baseline_s0", {"residual": "baseline", "seed": 0}, pace_from=("t1_baseline_s0", "t1_baseline_s1")),
+            Run("wall_delta_s0", {"residual": "delta", "seed": 0}, pace_from=("t1_delta_s0",))]
     budget = sweep.wall_budget(runs, out, None)
     assert budget == 110.0
     assert sweep.pace(runs[4], out, budget) == {"max_steps": 200, "time_budget_s": 110.0, "eval_interval": 25}
-    assert sweep.pace(runs[3], out, budget)["max_steps"] == 660
+    assert sweep.pace(runs[3], out, budget)["max_steps"] == int((6 + 5) / 2 * 110)   # 6 and 5 steps/s
     assert sweep.wall_budget(runs, out, 50.0) == 50.0
-    with pytest.raises(RuntimeError, match="t1_delta_s1 has not finished"):
-        sweep.pace(Run("wall_delta_s1", {"residual": "delta"}, pace_from="t1_delta_s1"), out, budget)
+    with pytest.raises(RuntimeError, match="t1_delta_s1 have not finished"):
+        sweep.pace(Run("wall_delta_s1", {"residual": "delta"}, pace_from=("t1_delta_s0", "t1_delta_s1")), out, budget)
     with pytest.raises(RuntimeError, match="have not all finished"):
         sweep.wall_budget(runs + [Run("t1_baseline_s2", {"residual": "baseline", "seed": 2})], out, None)
