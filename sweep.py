@@ -1,6 +1,6 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python sweep.py                               # every run into results/sweep (about 45 min on 2 cores)
+    python sweep.py                               # every run into results/sweep (about 40 min on 2 cores)
     python sweep.py --report_only                 # rewrite the table, JSON and plots from the finished runs
 
 One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and four comparisons:
