@@ -1,7 +1,9 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python sweep.py                               # every run into results/sweep (about 40 min on 2 cores)
-    python sweep.py --report_only                 # rewrite the table, JSON and plots from the finished runs
+    python sweep.py                        # every run into runs/sweep (about 40 min on 2 cores), then its table
+                                           # compared with the committed results/sweep (runs/sweep/compare.md)
+    python sweep.py --out results/sweep    # the same into the committed folder (what was published)
+    python sweep.py --report_only          # rewrite the table, JSON and plots from the finished runs
 
 One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and four comparisons:
   Table 1   baseline, attnres, full_attnres, delta, delta_block, delta_block with the paper's sources;
@@ -12,7 +14,9 @@ One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and 
   gate      delta_block with gate=True against Table 1's ungated seed-0 run.
 Two runs train at once, one thread each (--jobs, --threads); runs shared between tables are trained once.
 A run whose log.jsonl has its final record is skipped, so an interrupted sweep continues where it stopped.
-Writes OUT/runs/<run>/ (log.jsonl, stdout.txt, checkpoint), OUT/results.json, OUT/table.md and OUT/*.png.
+Writes OUT/runs/<run>/ (log.jsonl, stdout.txt, routing.json, checkpoint), OUT/results.json, OUT/table.md and
+OUT/*.png. Training is deterministic for a given seed, torch build and thread count, so the equal-steps rows of a
+rerun on the same kind of machine should match the committed table to the last digit.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 
 CONFIG = "configs/sweep_l12.py"
+COMMITTED = "results/sweep/results.json"   # the published sweep; a new one is compared with it
 SEEDS = (0, 1, 2)
 MEMORY_SHAPE = (2, 64)   # (batch, seq_len) of the saved-bytes count: per-token ratios do not depend on it
 
@@ -262,11 +267,20 @@ def saved_bytes_triton(configs: dict[str, dict], timeout_s: float) -> dict[str, 
 
 
 def routing_summary(out_dir: str) -> dict:
-    """eval.routing_analysis of the run's checkpoint over 32 held-out windows of its training length."""
+    """eval.routing_analysis of the run's checkpoint over 32 held-out windows of its training length, kept in
+    OUT/runs/<run>/routing.json: the checkpoints are not committed, so a clean clone reports from that file."""
+    path = os.path.join(out_dir, "routing.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
     import eval as evaluation
     model, ckpt = evaluation.load_model(out_dir)
     arrays, _ = evaluation.load_tokens(ckpt, model, None, "val")
-    return evaluation.routing_analysis(model, arrays, evaluation.context_length(ckpt), n_windows=32)
+    summary = evaluation.routing_analysis(model, arrays, evaluation.context_length(ckpt), n_windows=32)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f)
+    os.replace(path + ".tmp", path)
+    return summary
 
 
 def run_figures(run: Run, out: str) -> dict | None:
@@ -475,9 +489,60 @@ def summarise(runs: list[Run], sections: list[Section], out: str, triton: bool, 
     return results
 
 
+def compare(new: dict, old: dict, within: float = 2.0) -> list[dict]:
+    """Each row of one sweep's results.json (`new`) against the same row of another (`old`).
+
+    The noise of a difference of two means of n_new and n_old seeds is sigma = s * sqrt(1/n_new + 1/n_old), with s
+    the seed-to-seed std of that method in Table 1 (pooled over the two sweeps): one-seed rows have no std of
+    their own. A row reproduces when |new - old| <= within * sigma. Rows only one sweep has are left out."""
+    def seed_std(results: dict) -> dict[str, float]:     # residual -> std of its first multi-seed row
+        out = {}
+        for section in results["sections"]:
+            for r in section["rows"]:
+                if len(r["runs"]) > 1:
+                    out.setdefault(r["residual"], r["val_ppl_std"])
+        return out
+    old_std, new_std = seed_std(old), seed_std(new)
+    old_rows = {(s["title"], r["label"]): r for s in old["sections"] for r in s["rows"]}
+    rows = []
+    for section in new["sections"]:
+        for r in section["rows"]:
+            o = old_rows.get((section["title"], r["label"]))
+            if o is None or r["residual"] not in old_std or r["residual"] not in new_std:
+                continue
+            s = math.sqrt((old_std[r["residual"]] ** 2 + new_std[r["residual"]] ** 2) / 2)
+            sigma = s * math.sqrt(1 / len(r["runs"]) + 1 / len(o["runs"]))
+            diff = r["val_ppl"] - o["val_ppl"]
+            rows.append({"section": section["title"], "label": r["label"], "old_val_ppl": o["val_ppl"],
+                         "new_val_ppl": r["val_ppl"], "diff": diff, "sigma": sigma,
+                         "old_steps": o["steps"], "new_steps": r["steps"],
+                         "old_tok_per_s_rel": o["tok_per_s_rel"], "new_tok_per_s_rel": r["tok_per_s_rel"],
+                         "reproduced": abs(diff) <= within * sigma})
+    return rows
+
+
+def compare_markdown(rows: list[dict], new: dict, old: dict, old_path: str, within: float = 2.0) -> str:
+    lines = [f"# Sweep reproduction: {new['git_commit'][:12]} on {new['machine']['cpu']} against {old_path} "
+             f"({old['git_commit'][:12]} on {old['machine']['cpu']})", "",
+             f"Reproduced: |new - committed| <= {within:g} sigma, sigma = the noise of a difference of means "
+             f"(Table 1's seed-to-seed std of the method x sqrt(1/n_new + 1/n_old)). Equal wall-clock rows "
+             f"depend on the machine's speed: their steps are shown.", "",
+             "| section | method | committed PPL | new PPL | diff | sigma | steps (committed / new) | "
+             "tok/s vs baseline (committed / new) | reproduced |", "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['section'].split(':')[0]} | {r['label']} | {r['old_val_ppl']:.3f} | {r['new_val_ppl']:.3f} "
+                     f"| {r['diff']:+.3f} | {r['sigma']:.3f} | {r['old_steps']:.0f} / {r['new_steps']:.0f} | "
+                     f"{r['old_tok_per_s_rel']:.2f}x / {r['new_tok_per_s_rel']:.2f}x | "
+                     f"{'yes' if r['reproduced'] else 'NO'} |")
+    lines += ["", f"{sum(r['reproduced'] for r in rows)} of {len(rows)} rows reproduced."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results/sweep", help="results folder; runs go to OUT/runs/<name>")
+    p.add_argument("--out", default="runs/sweep", help="results folder; runs go to OUT/runs/<name>")
+    p.add_argument("--compare", default=COMMITTED, help="a results.json to compare the table with "
+                   "('' for none); written to OUT/compare.md")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one process each)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--budget_s", type=float, help="equal wall-clock budget (default: the baseline's wall time)")
@@ -492,6 +557,14 @@ def main(argv: list[str] | None = None) -> int:
                         "python sweep.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'table.md')}, "
           f"{', '.join(results['plots'])} | {_clock(time.time() - start)}")
+    mine = os.path.join(args.out, "results.json")
+    if args.compare and os.path.isfile(args.compare) and not os.path.samefile(args.compare, mine):
+        with open(args.compare) as f:
+            old = json.load(f)
+        text = compare_markdown(compare(results, old), results, old, args.compare)
+        with open(os.path.join(args.out, "compare.md"), "w") as f:
+            f.write(text)
+        print(text, end="")
     if failed:
         print(f"failed runs: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

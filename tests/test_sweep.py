@@ -64,6 +64,17 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     assert any(line.startswith("| delta_block | 0 | 6 |") for line in table)
     assert results["plots"] == [os.path.join(out, "val_loss.png")] and os.path.getsize(results["plots"][0]) > 0
 
+    # A clean clone has the logs and routing.json but no checkpoints: the report must come out the same.
+    os.remove(os.path.join(out, "runs", "db_s0", "routing.json"))
+    sweep.summarise(runs, sections, out, triton=False, invocation_s=1.0, command="test")   # writes it again
+    assert json.load(open(os.path.join(out, "runs", "db_s0", "routing.json"))) == saved["runs"]["db_s0"]["routing"]
+    for name in ("base_s0", "db_s0"):
+        for f in os.listdir(os.path.join(out, "runs", name)):
+            if f.endswith(".pt"):
+                os.remove(os.path.join(out, "runs", name, f))
+    again = sweep.summarise(runs, sections, out, triton=False, invocation_s=1.0, command="test")
+    assert again["sections"] == saved["sections"]
+
 
 def test_equal_wall_clock_pace(tmp_path):
     """The budget is the baseline's mean equal-steps wall time; each method's schedule is the steps it made in it."""
@@ -87,3 +98,36 @@ def test_equal_wall_clock_pace(tmp_path):
         sweep.pace(Run("wall_delta_s1", {"residual": "delta"}, pace_from=("t1_delta_s0", "t1_delta_s1")), out, budget)
     with pytest.raises(RuntimeError, match="have not all finished"):
         sweep.wall_budget(runs + [Run("t1_baseline_s2", {"residual": "baseline", "seed": 2})], out, None)
+
+
+def results_with(rows_by_section: dict[str, list[tuple[str, str, list[float]]]]) -> dict:
+    """A results.json-like dict: {section: [(label, residual, per-seed PPLs)]}."""
+    sections = []
+    for title, rows in rows_by_section.items():
+        out = []
+        for label, residual, ppls in rows:
+            mean, std = sweep._mean_std(ppls)
+            out.append({"label": label, "residual": residual, "runs": [f"{label}_s{i}" for i in range(len(ppls))],
+                        "val_ppl": mean, "val_ppl_std": std, "steps": 800.0, "tok_per_s_rel": 1.0})
+        sections.append({"title": title, "rows": out})
+    return {"sections": sections, "git_commit": "0" * 40, "machine": {"cpu": "test cpu"}}
+
+
+def test_compare_judges_each_row_against_seed_noise():
+    old = results_with({"T1": [("baseline", "baseline", [7.0, 7.2, 7.4]), ("delta", "delta", [7.0, 7.1, 7.2])],
+                        "T4": [("delta, 1 block", "delta", [7.0]), ("only old", "delta", [7.0])]})
+    new = results_with({"T1": [("baseline", "baseline", [7.1, 7.3, 7.5]), ("delta", "delta", [7.5, 7.6, 7.7])],
+                        "T4": [("delta, 1 block", "delta", [7.25]), ("only new", "delta", [7.0])]})
+    rows = {r["label"]: r for r in sweep.compare(new, old)}
+    assert set(rows) == {"baseline", "delta", "delta, 1 block"}            # rows only one side has are left out
+    # baseline: std 0.2 in both, 3 vs 3 seeds: sigma = 0.2 * sqrt(2/3); the means differ by 0.1 < 2 sigma.
+    assert rows["baseline"]["sigma"] == pytest.approx(0.2 * (2 / 3) ** 0.5)
+    assert rows["baseline"]["diff"] == pytest.approx(0.1) and rows["baseline"]["reproduced"]
+    # delta: std 0.1, a shift of 0.5 is over 6 sigma.
+    assert rows["delta"]["diff"] == pytest.approx(0.5) and not rows["delta"]["reproduced"]
+    # one seed on each side: Table 1's std of the method, sigma = 0.1 * sqrt(2) = 0.141; 0.25 is within 2 sigma.
+    assert rows["delta, 1 block"]["sigma"] == pytest.approx(0.1 * 2 ** 0.5)
+    assert rows["delta, 1 block"]["reproduced"]
+    assert not sweep.compare(new, old, within=1.5)[2]["reproduced"]
+    text = sweep.compare_markdown(sweep.compare(new, old), new, old, "old.json")
+    assert "| T1 | delta | 7.100 | 7.600 | +0.500 |" in text and text.rstrip().endswith("2 of 3 rows reproduced.")
