@@ -535,6 +535,11 @@ def compare_markdown(rows: list[dict], new: dict, old: dict, old_path: str, with
                      f"{r['old_tok_per_s_rel']:.2f}x / {r['new_tok_per_s_rel']:.2f}x | "
                      f"{'yes' if r['reproduced'] else 'NO'} |")
     lines += ["", f"{sum(r['reproduced'] for r in rows)} of {len(rows)} rows reproduced."]
+    moved = [f"{r['label']} ({r['section'].split(':')[0]}: {r['old_steps']:.0f} -> {r['new_steps']:.0f} steps)"
+             for r in rows if not r["reproduced"] and abs(r["new_steps"] / r["old_steps"] - 1) > 0.02]
+    if moved:
+        lines.append(f"Not reproduced with a different step count: {'; '.join(moved)}. An equal wall-clock run's "
+                     f"steps come from the speed measured on the machine, which the seed-noise sigma does not cover.")
     return "\n".join(lines) + "\n"
 
 

@@ -131,3 +131,6 @@ def test_compare_judges_each_row_against_seed_noise():
     assert not sweep.compare(new, old, within=1.5)[2]["reproduced"]
     text = sweep.compare_markdown(sweep.compare(new, old), new, old, "old.json")
     assert "| T1 | delta | 7.100 | 7.600 | +0.500 |" in text and text.rstrip().endswith("2 of 3 rows reproduced.")
+    new["sections"][0]["rows"][1]["steps"] = 900.0      # an equal wall-clock row that made more steps this time
+    text = sweep.compare_markdown(sweep.compare(new, old), new, old, "old.json")
+    assert "different step count: delta (T1: 800 -> 900 steps)" in text
