@@ -522,6 +522,7 @@ def compare(new: dict, old: dict, within: float = 2.0) -> list[dict]:
 
 
 def compare_markdown(rows: list[dict], new: dict, old: dict, old_path: str, within: float = 2.0) -> str:
+    """compare()'s rows as OUT/compare.md: a table, the count reproduced, and the rows whose steps differ."""
     lines = [f"# Sweep reproduction: {new['git_commit'][:12]} on {new['machine']['cpu']} against {old_path} "
              f"({old['git_commit'][:12]} on {old['machine']['cpu']})", "",
              f"Reproduced: |new - committed| <= {within:g} sigma, sigma = the noise of a difference of means "
@@ -554,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report_only", action="store_true", help="write the table, JSON and plots; train nothing")
     p.add_argument("--no_triton", action="store_true", help="skip the kernel path's memory count")
     args = p.parse_args(argv)
+    if args.compare and args.compare != COMMITTED and not os.path.isfile(args.compare):
+        p.error(f"--compare: no results file at {args.compare}")
     start = time.time()
     runs, sections = full_plan()
     failed = [] if args.report_only else execute(runs, args.out, args.jobs, args.threads, args.budget_s)
@@ -563,10 +566,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'table.md')}, "
           f"{', '.join(results['plots'])} | {_clock(time.time() - start)}")
     mine = os.path.join(args.out, "results.json")
-    if args.compare and os.path.isfile(args.compare) and not os.path.samefile(args.compare, mine):
+    if args.compare and not os.path.isfile(args.compare):
+        print(f"no committed sweep at {args.compare} to compare with")
+    elif args.compare and not os.path.samefile(args.compare, mine):
         with open(args.compare) as f:
             old = json.load(f)
-        text = compare_markdown(compare(results, old), results, old, args.compare)
+        rows = compare(results, old)
+        text = (compare_markdown(rows, results, old, args.compare) if rows else
+                f"no finished row to compare with {args.compare} yet\n")
         with open(os.path.join(args.out, "compare.md"), "w") as f:
             f.write(text)
         print(text, end="")

@@ -134,3 +134,9 @@ def test_compare_judges_each_row_against_seed_noise():
     new["sections"][0]["rows"][1]["steps"] = 900.0      # an equal wall-clock row that made more steps this time
     text = sweep.compare_markdown(sweep.compare(new, old), new, old, "old.json")
     assert "different step count: delta (T1: 800 -> 900 steps)" in text
+
+
+def test_compare_file_must_exist(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["--out", str(tmp_path), "--compare", str(tmp_path / "missing.json"), "--report_only"])
+    assert "--compare: no results file at" in capsys.readouterr().err
