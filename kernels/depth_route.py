@@ -15,53 +15,113 @@ a "difference" source h - base (Delta Block's partial block, recomputed from two
 anyway instead of being saved itself) and a null source (an all-zero source: logit 0, value 0, never stored).
 
 Everything accumulates in fp32; d need not be a power of two. Sources may be fp32, bf16 or fp16, and may mix
-two of these (under autocast the embedding is fp32 and the sublayer outputs bf16): the kernels read them
-through one address table per dtype. The read-out has sources[0]'s dtype, as in the reference.
+two of these (under autocast the embedding is fp32 and the sublayer outputs bf16): the launcher orders the
+address table by dtype and the kernels run one loop per dtype, so no loop branches per source. The read-out
+has sources[0]'s dtype, as in the reference.
+
+Made for memory bandwidth on a GPU (tests/test_gpu_ready.py checks the compiled code for sm_90 on a CPU):
+- an address read from the table is an integer, so the compiler knows nothing of its alignment; every
+  launcher guarantees 16-byte aligned, contiguous tensors (copying the rare view that is not) and the kernels
+  say so with tl.multiple_of, which turns the source loads into 128-bit loads;
+- the loops over sources are software-pipelined (tl.range(num_stages=...)): the next source's tile is in
+  flight while the current one is reduced;
+- rows per program and warps are chosen per width (`_config`) so that no kernel spills registers at the
+  paper's widths;
+- host work per launch is O(N): one address table, uploaded in one copy; launches run on the tensors' device.
+
+Every launch goes through `_launch`, which hands a description of it (kernel, arguments, the tensors it reads
+and writes) to observers first: kernels/traffic.py counts bytes with it, the GPU-readiness test compiles
+exactly the specialisations the model launches, and kernels/bench.py times the host path without launching.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+ALIGN = 16   # bytes: every address the kernels read through a table is a multiple of this (128-bit loads)
 
 
-# The kernels are written flat (no @triton.jit helpers): under TRITON_INTERPRET every helper call costs
-# milliseconds, which the CPU test budget cannot afford. Candidate i is read, for i < n_a, through table_a
-# (element type of like_a), for n_a <= i < n_a + n_b through table_b (like_b), and the last one, when
-# HAS_DIFF, is h - base. n_total counts them all.
+# -------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _route_fwd(table_a, like_a, n_a, table_b, like_b, n_b, h_ptr, base_ptr, u_ptr, out_ptr, lse_ptr,
-               n_total, M, d, eps, HAS_NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _table_source(table, i, DTYPE: tl.constexpr, offs, mask):
+    """Source i of the address table as an fp32 (BLOCK_M, BLOCK_D) tile."""
+    ptr = tl.multiple_of(tl.load(table + i).to(tl.pointer_type(DTYPE)), 16)   # aligned by the launcher
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _folded_query(q_ptr, g_ptr, cols, d):
+    """u = query * norm_weight in fp32, (BLOCK_D,)."""
+    q = tl.load(q_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    return q * tl.load(g_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _diff_source(h_ptr, base_ptr, offs, mask):
+    """The difference source h - base as an fp32 tile."""
+    return (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _logit(s, u, d, eps):
+    """e = rstd(s) (s . u) per row, and rstd: (BLOCK_M,) each."""
+    rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
+    return tl.sum(s * u[None, :], axis=1) * rstd, rstd
+
+
+@triton.jit
+def _softmax_step(m, l, acc, s, e):
+    """Online softmax: fold one source (tile s, logits e) into the running max m, normaliser l and sum acc."""
+    m_new = tl.maximum(m, e)
+    alpha = tl.exp(m - m_new)             # rescales what was accumulated under the old max
+    p = tl.exp(e - m_new)
+    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * s
+
+
+@triton.jit
+def _source_grad(s, go, u, lse, D, d, eps):
+    """Gradient of one source given dL/dr = go: a = exp(e - lse), de = a (go . s - D),
+    ds = a go + de rstd (u - e rstd s / d). Returns ds and de rstd (the query gradient's weight for s)."""
+    e, rstd = _logit(s, u, d, eps)
+    a = tl.exp(e - lse)
+    de_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
+    ds = a[:, None] * go + de_rstd[:, None] * (u[None, :] - (e * rstd / d)[:, None] * s)
+    return ds, de_rstd
+
+
+@triton.jit(do_not_specialize=["n_a", "n_b"])   # one compiled kernel for any number of sources
+def _route_fwd(table, n_a, n_b, h_ptr, base_ptr, q_ptr, g_ptr, out_ptr, lse_ptr, M, d, eps,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, HAS_DIFF: tl.constexpr, HAS_NULL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+    """table: n_a addresses of A_DTYPE sources, then n_b of B_DTYPE; q, g: the query and norm weight.
+    Writes r (M, d) and lse (M,)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]                  # (BLOCK_M, BLOCK_D)
-    u = tl.load(u_ptr + cols, mask=cols < d, other=0.0)                     # (BLOCK_D,) fp32 folded query
+    u = _folded_query(q_ptr, g_ptr, cols, d)                                # (BLOCK_D,) fp32
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
     l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(e - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(e - m) s
-    for i in range(n_total):
-        if i < n_a:
-            ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
-            s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
-        elif i < n_a + n_b:
-            ptr_b = tl.load(table_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
-            s = tl.load(ptr_b + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                 - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-        e = tl.sum(s * u[None, :], axis=1) * tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)   # (BLOCK_M,) logit
-        m_new = tl.maximum(m, e)
-        alpha = tl.exp(m - m_new)         # rescales what was accumulated under the old max
-        p = tl.exp(e - m_new)
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * s
-        m = m_new
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = _table_source(table, i, A_DTYPE, offs, mask)
+        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
+    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+        s = _table_source(table, i, B_DTYPE, offs, mask)
+        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
+    if HAS_DIFF:
+        s = _diff_source(h_ptr, base_ptr, offs, mask)
+        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
     if HAS_NULL:                          # logit 0, value 0: only the normaliser changes
         m_new = tl.maximum(m, 0.0)
         alpha = tl.exp(m - m_new)
@@ -73,17 +133,22 @@ def _route_fwd(table_a, like_a, n_a, table_b, like_b, n_b, h_ptr, base_ptr, u_pt
     tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
-@triton.jit
-def _route_bwd(table_a, grads_a, like_a, n_a, table_b, grads_b, like_b, n_b, h_ptr, base_ptr, dpart_ptr,
-               u_ptr, go_ptr, lse_ptr, D_ptr, du_ptr, n_total, M, d, eps,
-               HAS_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["n_a", "n_b"])  # slab is a multiple of 16 elements: aligned gradient stores
+def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, h_ptr, base_ptr, dpart_ptr, q_ptr, g_ptr, go_ptr,
+               lse_ptr, D_ptr, du_ptr, M, d, eps,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, HAS_DIFF: tl.constexpr, HAS_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+    """table: the source addresses as in the forward. Writes the gradient of table entry i < n_a at
+    grad_a_ptr + i slab and of entry n_a + j at grad_b_ptr + j slab, the difference source's at dpart_ptr,
+    and this program's partial sum of dL/du (row program_id of du_ptr)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-    u = tl.load(u_ptr + cols, mask=cols < d, other=0.0)
+    n = n_a + n_b
+    u = _folded_query(q_ptr, g_ptr, cols, d)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)       # (BLOCK_M, BLOCK_D) dL/dr
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term (the null source adds 0);
@@ -92,155 +157,229 @@ def _route_bwd(table_a, grads_a, like_a, n_a, table_b, grads_b, like_b, n_b, h_p
         D = tl.load(D_ptr + rows, mask=row_ok, other=0.0)
     else:
         D = tl.zeros((BLOCK_M,), tl.float32)
-    for i in range(0 if HAS_D else n_total):
-        if i < n_a:
-            ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
-            s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
-        elif i < n_a + n_b:
-            ptr_b = tl.load(table_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
-            s = tl.load(ptr_b + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                 - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-        e = tl.sum(s * u[None, :], axis=1) * tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
-        D += tl.exp(e - lse) * tl.sum(go * s, axis=1)
-    # pass 2, keys recomputed: a = exp(e - lse); de = a (go . s - D); ds = a go + de rstd (u - e rstd s / d);
-    # du = sum over rows and sources of de rstd s
+        for i in tl.range(0, n_a, num_stages=STAGES):
+            s = _table_source(table, i, A_DTYPE, offs, mask)
+            D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+        for i in tl.range(n_a, n, num_stages=STAGES):
+            s = _table_source(table, i, B_DTYPE, offs, mask)
+            D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+        if HAS_DIFF:
+            s = _diff_source(h_ptr, base_ptr, offs, mask)
+            D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+    # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of de rstd s
     du = tl.zeros((BLOCK_D,), tl.float32)
-    for i in range(n_total):
-        if i < n_a:
-            ptr_a = tl.load(table_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
-            s = tl.load(ptr_a + offs, mask=mask, other=0.0).to(tl.float32)
-        elif i < n_a + n_b:
-            ptr_b = tl.load(table_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
-            s = tl.load(ptr_b + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            s = (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                 - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-        rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
-        e = tl.sum(s * u[None, :], axis=1) * rstd
-        a = tl.exp(e - lse)
-        de_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
-        ds = a[:, None] * go + de_rstd[:, None] * (u[None, :] - (e * rstd / d)[:, None] * s)
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = _table_source(table, i, A_DTYPE, offs, mask)
+        ds, de_rstd = _source_grad(s, go, u, lse, D, d, eps)
         du += tl.sum(de_rstd[:, None] * s, axis=0)
-        if i < n_a:
-            gptr_a = tl.load(grads_a + i).to(tl.pointer_type(like_a.dtype.element_ty))
-            tl.store(gptr_a + offs, ds.to(like_a.dtype.element_ty), mask=mask)
-        elif i < n_a + n_b:
-            gptr_b = tl.load(grads_b + (i - n_a)).to(tl.pointer_type(like_b.dtype.element_ty))
-            tl.store(gptr_b + offs, ds.to(like_b.dtype.element_ty), mask=mask)
-        else:
-            tl.store(dpart_ptr + offs, ds.to(dpart_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_a_ptr + i * slab + offs, ds.to(A_DTYPE), mask=mask)
+    for i in tl.range(n_a, n, num_stages=STAGES):
+        s = _table_source(table, i, B_DTYPE, offs, mask)
+        ds, de_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        du += tl.sum(de_rstd[:, None] * s, axis=0)
+        tl.store(grad_b_ptr + (i - n_a) * slab + offs, ds.to(B_DTYPE), mask=mask)
+    if HAS_DIFF:
+        s = _diff_source(h_ptr, base_ptr, offs, mask)
+        ds, de_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        du += tl.sum(de_rstd[:, None] * s, axis=0)
+        tl.store(dpart_ptr + offs, ds.to(dpart_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + pid * BLOCK_D + cols, du)                            # one partial sum per program
 
 
-# ---------------------------------------------------------------------------------------------- launchers
+# ------------------------------------------------------------------------------------------ launching
+
+@dataclass
+class Launch:
+    """One kernel launch as observers see it: the kernel, its grid and keyword arguments (launch options
+    included), and the tensors it reads and writes in full, with how many times it reads each."""
+    kernel: triton.JITFunction
+    grid: int
+    args: dict
+    reads: list[tuple[Tensor, int]]
+    writes: list[Tensor]
+
+
+_observers: list[Callable[[Launch], bool]] = []
+
+
+@contextmanager
+def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
+    """Call observer(launch) before every launch in the block; the launch is skipped if it returns True
+    (so launches can be counted on meta tensors, or timed without a GPU)."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def _launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor, int]], writes: list[Tensor],
+            device: torch.device, **args) -> None:
+    if _observers:
+        launch = Launch(kernel, grid, args, reads, writes)
+        if any([observer(launch) for observer in _observers]):
+            return
+    if device.type == "cuda":
+        with torch.cuda.device(device):   # Triton launches on the current device, not the tensors'
+            kernel[(grid,)](**args)
+    elif device.type == "cpu" and not _interpreting():
+        raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
+                           "to run them on CPU, or use kernel='reference'")
+    else:
+        kernel[(grid,)](**args)
+
 
 def _interpreting() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
     return isinstance(_route_fwd, InterpretedFunction)
 
 
-def _check(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
-           diff: tuple[Tensor, Tensor] | None) -> list[Tensor]:
-    """Validate the inputs; return the sources made contiguous (a copy only of those that are not)."""
+def _aligned(t: Tensor) -> Tensor:
+    """t itself if it is contiguous and 16-byte aligned, else a contiguous copy (a fresh allocation is)."""
+    if t.is_contiguous() and t.data_ptr() % ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass
+class SourceTable:
+    """The sources of one read as the kernels see them: contiguous and 16-byte aligned (a copy of any that is
+    not), ordered by dtype (the n_a of sources[0]'s dtype first), and their addresses on the device, uploaded
+    in one copy. Built once per forward read; its backward reuses it."""
+    tensors: list[Tensor]       # in table order
+    order: list[int]            # table position -> index in the caller's list of sources
+    n_a: int
+    addresses: Tensor           # (N,) int64, on the sources' device
+
+    def dtype(self, group: int) -> tl.dtype:
+        return DTYPES[self.tensors[0 if group == 0 else -1].dtype]
+
+    def in_caller_order(self, values: list) -> list:
+        out = [None] * len(values)
+        for position, i in enumerate(self.order):
+            out[i] = values[position]
+        return out
+
+
+def source_table(sources: list[Tensor]) -> SourceTable:
+    """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table."""
     if not sources:
         raise ValueError("depth_route needs at least one source")
     first = sources[0]
     if first.dim() != 3:
         raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(first.shape)}")
-    named = [(f"sources[{i}]", s) for i, s in enumerate(sources)]
-    named += [("diff[0]", diff[0]), ("diff[1]", diff[1])] if diff is not None else []
-    for name, t in named:
-        if t.shape != first.shape or t.device != first.device:
-            raise ValueError(f"{name} is {tuple(t.shape)} on {t.device}; every source must match sources[0]: "
-                             f"{tuple(first.shape)} on {first.device}")
-        if t.dtype not in DTYPES:
+    shape, device, dtype_a = first.shape, first.device, first.dtype
+    a, b, dtype_b = [], [], None
+    for i, s in enumerate(sources):
+        if s.shape != shape or s.device != device:
+            raise ValueError(f"sources[{i}] is {tuple(s.shape)} on {s.device}; every source must match "
+                             f"sources[0]: {tuple(shape)} on {device}")
+        if s.dtype == dtype_a:
+            a.append(i)
+        elif dtype_b is None or s.dtype == dtype_b:
+            dtype_b = s.dtype
+            b.append(i)
+        else:
+            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
+    for dtype in (dtype_a, dtype_b or dtype_a):
+        if dtype not in DTYPES:
             raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
-                             f"{name} is {t.dtype} (the reference router.depth_route takes any float dtype)")
-    if len({s.dtype for s in sources}) > 2:
-        raise ValueError(f"the sources mix {len({s.dtype for s in sources})} dtypes; the kernels read at most two")
+                             f"got {dtype} (the reference router.depth_route takes any float dtype)")
+    order = a + b
+    tensors = [_aligned(sources[i]) for i in order]
+    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+    return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
+
+
+def _check(table: SourceTable, query: Tensor, norm_weight: Tensor, diff: tuple[Tensor, Tensor] | None) -> None:
+    first = table.tensors[0]
     d = first.shape[-1]
     if query.shape != (d,) or norm_weight.shape != (d,):
         raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
-    if first.device.type == "cpu" and not _interpreting():
-        raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
-                           "to run them on CPU, or use kernel='reference'")
-    return [s.contiguous() for s in sources]
+    for name, t in zip(("diff[0]", "diff[1]"), diff or ()):
+        if t.shape != first.shape or t.device != first.device or t.dtype not in DTYPES:
+            raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; it must be "
+                             f"{tuple(first.shape)} on {first.device}, of dtype {', '.join(map(str, DTYPES))}")
 
 
-def _groups(sources: list[Tensor]) -> tuple[list[int], list[int]]:
-    """Indices of the sources with sources[0]'s dtype, and of the others (one other dtype at most)."""
-    a = [i for i, s in enumerate(sources) if s.dtype == sources[0].dtype]
-    return a, [i for i in range(len(sources)) if i not in set(a)]
-
-
-def _blocks(M: int, d: int) -> tuple[int, int, int]:
-    """BLOCK_D covers a whole row (the norm needs it); BLOCK_M rows per program keep ~8K fp32 in flight on a
-    GPU. The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and
-    larger programs are much faster."""
+def _config(M: int, d: int, backward: bool = False) -> dict:
+    """Tile and launch shape. BLOCK_D covers a whole row (the norm needs it). On a GPU, rows per program and
+    warps are chosen per width so that each thread holds 16 fp32 values of a tile (8 at d > 2048, where the
+    row alone is that many), and the source loop keeps the next tiles in flight: two more in the forward, one
+    in the backward, which holds more tiles per source (checked: no spills at d = 768 .. 4096, kernels/aot.py).
+    The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
+    programs are faster."""
     block_d = triton.next_power_of_2(d)
     if _interpreting():
-        return min(triton.next_power_of_2(M), 256), block_d, 4
-    return max(1, min(64, 8192 // block_d)), block_d, 8 if block_d >= 2048 else 4
+        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
+    warps = 4 if block_d <= 1024 else 8
+    block_m = max(1, min(16, 16 * 32 * warps // block_d))
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward else 3, num_warps=warps)
 
 
-def _table(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """(len,) int64 addresses; an empty group gets a one-entry table that the kernel never reads. On a GPU the
-    table goes up from pinned memory without blocking, so the host keeps queueing work."""
-    table = torch.tensor([t.data_ptr() for t in tensors] or [0], dtype=torch.int64)
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+def _diff(diff: tuple[Tensor, Tensor] | None, first: Tensor) -> tuple[Tensor, Tensor]:
+    """h, base of the difference source (aligned), or placeholders the kernel never reads."""
+    return (_aligned(diff[0]), _aligned(diff[1])) if diff is not None else (first, first)
 
 
-def route_forward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
+def _slabs(tensors: list[Tensor]) -> tuple[Tensor, int, list[Tensor]]:
+    """One buffer for the gradients of same-dtype tensors: (buffer, slab stride in elements, views). Each
+    gradient starts a multiple of 16 elements after the last, so every one is 16-byte aligned."""
+    like = tensors[0]
+    numel = like.numel()
+    slab = triton.cdiv(numel, 16) * 16
+    buffer = torch.empty(len(tensors), slab, dtype=like.dtype, device=like.device)
+    return buffer, slab, list(buffer[:, :numel].view(len(tensors), *like.shape).unbind(0))
+
+
+def route_forward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: float,
                   diff: tuple[Tensor, Tensor] | None = None, null: bool = False,
                   out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """r (B, T, d) in out_dtype (default sources[0]'s dtype) and the softmax's log-sum-exp (B*T,) fp32.
-
-    The candidates are `sources`, then diff[0] - diff[1] if given, then a zero source if `null`."""
-    sources = _check(sources, query, norm_weight, diff)
-    first, dev = sources[0], sources[0].device
-    M, d = first.numel() // first.shape[-1], first.shape[-1]
-    a, b = _groups(sources)
-    src_a, src_b = [sources[i] for i in a], [sources[i] for i in b]
-    h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
-    u = (query.float() * norm_weight.float()).contiguous()                 # (d,) folded query
+    """r (B, T, d) in out_dtype (default: the dtype of the caller's sources[0]) and the softmax's log-sum-exp
+    (B*T,) fp32. The candidates are the table's sources, then diff[0] - diff[1] if given, then a zero source
+    if `null`."""
+    _check(table, query, norm_weight, diff)
+    first = table.tensors[0]
+    dev, M, d = first.device, first.numel() // first.shape[-1], first.shape[-1]
+    h, base = _diff(diff, first)
     out = torch.empty_like(first, dtype=out_dtype or first.dtype)
     lse = torch.empty(M, dtype=torch.float32, device=dev)
-    block_m, block_d, warps = _blocks(M, d)
-    _route_fwd[(triton.cdiv(M, block_m),)](
-        _table(src_a, dev), first, len(a), _table(src_b, dev), (src_b or src_a)[0], len(b), h, base, u, out, lse,
-        len(sources) + (diff is not None), M, d, eps,
-        HAS_NULL=null, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    cfg = _config(M, d)
+    reads = [(s, 1) for s in table.tensors] + ([(h, 1), (base, 1)] if diff is not None else [])
+    _launch(_route_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads + [(query, 1), (norm_weight, 1)], [out, lse], dev,
+            table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, h_ptr=h, base_ptr=base,
+            q_ptr=query, g_ptr=norm_weight, out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps,
+            A_DTYPE=table.dtype(0), B_DTYPE=table.dtype(1), HAS_DIFF=diff is not None, HAS_NULL=null, **cfg)
     return out, lse
 
 
-def route_backward(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float, grad_out: Tensor,
+def route_backward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: float, grad_out: Tensor,
                    lse: Tensor, diff: tuple[Tensor, Tensor] | None = None, D: Tensor | None = None
                    ) -> tuple[list[Tensor], Tensor | None, Tensor]:
-    """Gradients of the sources (each in its dtype), of the difference source (None without one) and of
-    u = query * norm_weight (fp32 (d,)). The null source has no gradient; its weight is in lse.
-
-    D (B*T,) fp32, if given, is grad_out . r per token: one read of the sources fewer."""
-    sources = _check(sources, query, norm_weight, diff)
-    first, dev = sources[0], sources[0].device
-    M, d = first.numel() // first.shape[-1], first.shape[-1]
-    a, b = _groups(sources)
-    src_a, src_b = [sources[i] for i in a], [sources[i] for i in b]
-    grads = [torch.empty_like(s) for s in sources]
-    h, base = (diff[0].contiguous(), diff[1].contiguous()) if diff is not None else (first, first)
+    """Gradients of the sources (in the caller's order, each in its dtype), of the difference source (None
+    without one) and of u = query * norm_weight (fp32 (d,)). The null source has no gradient; its weight is
+    in lse. D (B*T,) fp32, if given, is grad_out . r per token: one read of the sources fewer."""
+    _check(table, query, norm_weight, diff)
+    first = table.tensors[0]
+    dev, M, d = first.device, first.numel() // first.shape[-1], first.shape[-1]
+    n_a = table.n_a
+    grad_a, slab, grads = _slabs(table.tensors[:n_a])
+    grad_b, _, grads_b = _slabs(table.tensors[n_a:]) if n_a < len(table.tensors) else (grad_a, 0, [])
+    h, base = _diff(diff, first)
     dpart = torch.empty_like(h) if diff is not None else first
-    u = (query.float() * norm_weight.float()).contiguous()
-    block_m, block_d, warps = _blocks(M, d)
-    grid = triton.cdiv(M, block_m)
-    du = torch.empty(grid, block_d, dtype=torch.float32, device=dev)
-    _route_bwd[(grid,)](
-        _table(src_a, dev), _table([grads[i] for i in a], dev), first, len(a),
-        _table(src_b, dev), _table([grads[i] for i in b], dev), (src_b or src_a)[0], len(b),
-        h, base, dpart, u, grad_out.contiguous(), lse, lse if D is None else D.contiguous(), du,
-        len(sources) + (diff is not None), M, d, eps,
-        HAS_D=D is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
-    return grads, (dpart if diff is not None else None), du.sum(0)[:d]
+    go = _aligned(grad_out)
+    cfg = _config(M, d, backward=True)
+    grid = triton.cdiv(M, cfg["BLOCK_M"])
+    du = torch.empty(grid, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
+    passes = 1 if D is not None else 2
+    reads = [(s, passes) for s in table.tensors] + [(go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
+    reads += ([(D, 1)] if D is not None else []) + ([(h, passes), (base, passes)] if diff is not None else [])
+    _launch(_route_bwd, grid, reads, grads + grads_b + [du] + ([dpart] if diff is not None else []), dev,
+            table=table.addresses, n_a=n_a, n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b,
+            slab=slab, h_ptr=h, base_ptr=base, dpart_ptr=dpart, q_ptr=query, g_ptr=norm_weight, go_ptr=go,
+            lse_ptr=lse, D_ptr=lse if D is None else D.contiguous(), du_ptr=du, M=M, d=d, eps=eps,
+            A_DTYPE=table.dtype(0), B_DTYPE=table.dtype(1), HAS_DIFF=diff is not None, HAS_D=D is not None, **cfg)
+    return table.in_caller_order(grads + grads_b), (dpart if diff is not None else None), du.sum(0)[:d]
 
 
 # ---------------------------------------------------------------------------------------- autograd + public
@@ -250,15 +389,16 @@ class DepthRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, *sources: Tensor) -> Tensor:
-        out, lse = route_forward(list(sources), query, norm_weight, eps)
-        ctx.save_for_backward(query, norm_weight, lse, *sources)
-        ctx.eps = eps
+        table = source_table(list(sources))
+        out, lse = route_forward(table, query, norm_weight, eps, out_dtype=sources[0].dtype)
+        ctx.save_for_backward(query, norm_weight, lse, *sources)   # the table's tensors, by reference
+        ctx.table, ctx.eps = table, eps
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        query, norm_weight, lse, *sources = ctx.saved_tensors
-        grads, _, du = route_backward(sources, query, norm_weight, ctx.eps, grad_out, lse)
+        query, norm_weight, lse, *_ = ctx.saved_tensors
+        grads, _, du = route_backward(ctx.table, query, norm_weight, ctx.eps, grad_out, lse)
         # e = rstd * sum_k s_k w_k g_k: dL/dw = du * g, dL/dg = du * w
         return ((du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype), None,
                 *grads)

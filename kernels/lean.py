@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernels.depth_route import route_backward, route_forward
+from kernels.depth_route import route_backward, route_forward, source_table
 from router import DepthState, Router, rms_norm
 
 
@@ -41,10 +41,11 @@ class RoutedNorm(torch.autograd.Function):
                 gate: Tensor | None, weight: Tensor, eps: float, norm_eps: float, null: bool,
                 *sources: Tensor) -> Tensor:
         diff = (h, base) if base is not None else None
-        r, lse = route_forward(list(sources), query, norm_weight, eps, diff, null)   # (B, T, d), (B*T,)
+        table = source_table(list(sources))
+        r, lse = route_forward(table, query, norm_weight, eps, diff, null)   # (B, T, d), (B*T,)
         y = rms_norm(_mix(h, gate, r), weight, norm_eps)
         ctx.save_for_backward(h, base, query, norm_weight, gate, weight, lse, *sources)
-        ctx.eps, ctx.norm_eps, ctx.null = eps, norm_eps, null
+        ctx.table, ctx.eps, ctx.norm_eps, ctx.null = table, eps, norm_eps, null
         return y
 
     @staticmethod
@@ -52,7 +53,7 @@ class RoutedNorm(torch.autograd.Function):
         h, base, query, norm_weight, gate, weight, lse, *sources = ctx.saved_tensors
         diff = (h, base) if base is not None else None
         # r is recomputed, not saved; in fp32, so that D = dL/dr . r below is as exact as the kernel's own
-        r32, _ = route_forward(sources, query, norm_weight, ctx.eps, diff, ctx.null, out_dtype=torch.float32)
+        r32, _ = route_forward(ctx.table, query, norm_weight, ctx.eps, diff, ctx.null, out_dtype=torch.float32)
         r = r32.to(sources[0].dtype)      # what the forward mixed in
         # the mix and the norm are a few elementwise ops: rerun them under autograd for their gradients
         leaves = {name: t.detach().requires_grad_() for name, t in
@@ -61,7 +62,7 @@ class RoutedNorm(torch.autograd.Function):
             y = rms_norm(_mix(leaves.get("h"), leaves.get("gate"), leaves["r"]), leaves["weight"], ctx.norm_eps)
             grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
         D = (grads["r"].float() * r32).sum(-1).flatten()                   # (B*T,) the softmax's shared term
-        dsources, dpart, du = route_backward(sources, query, norm_weight, ctx.eps, grads["r"], lse, diff, D)
+        dsources, dpart, du = route_backward(ctx.table, query, norm_weight, ctx.eps, grads["r"], lse, diff, D)
         dh = grads.get("h")
         dbase = None
         if dpart is not None:             # the partial is h - base

@@ -42,8 +42,10 @@ def saved_bytes(model: Model, idx: torch.Tensor) -> int:
 
 
 def measure(methods: tuple[str, ...] = METHODS, kernels: tuple[str, ...] = ("reference", "triton"),
-            batch: int = 1, seq_len: int = 64, **overrides) -> dict[str, dict[str, int]]:
-    """{kernel: {method: saved bytes}} for a step on `batch` x `seq_len` tokens of the scaled 1044M model."""
+            batch: int = 1, seq_len: int = 64, device: str | None = None, **overrides) -> dict[str, dict[str, int]]:
+    """{kernel: {method: saved bytes}} for a step on `batch` x `seq_len` tokens of the scaled 1044M model, on
+    `device` (default: CUDA if there is one, else the CPU, where the kernel path needs TRITON_INTERPRET=1)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     idx = torch.randint(0, SCALED_1044M["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(0))
     results: dict[str, dict[str, int]] = {}
     for kernel in kernels:
@@ -51,7 +53,7 @@ def measure(methods: tuple[str, ...] = METHODS, kernels: tuple[str, ...] = ("ref
         for method in methods:
             torch.manual_seed(0)
             model = Model(ModelConfig(**{**SCALED_1044M, **overrides, "residual": method, "kernel": kernel}))
-            results[kernel][method] = saved_bytes(model, idx)
+            results[kernel][method] = saved_bytes(model.to(device), idx.to(device))
     return results
 
 
@@ -68,9 +70,9 @@ def report(results: dict[str, dict[str, int]], n_tokens: int, n_layers: int) -> 
 
 
 def run(batch: int = 1, seq_len: int = 64) -> None:
-    """Print the table: both paths under TRITON_INTERPRET=1 (or on CUDA), else the reference path only."""
+    """Print the table: both paths on CUDA or under TRITON_INTERPRET=1, else the reference path only."""
     kernels = ("reference", "triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         print("TRITON_INTERPRET is not 1: the kernel path cannot run on CPU; showing the reference path only")
         kernels = ("reference",)
     results = measure(kernels=kernels, batch=batch, seq_len=seq_len)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.depth_route import depth_route  # noqa: E402
+from kernels.depth_route import depth_route, observe_launches  # noqa: E402
 from kernels.lean import LeanDepthState, routed_norm  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
 from router import DepthState, Router, rms_norm  # noqa: E402
@@ -104,9 +104,28 @@ def test_kernel_takes_non_contiguous_sources():
     assert_close(depth_route(strided, query, norm_weight), reference(sources, query, norm_weight), 1e-5, 1e-5)
 
 
+def test_kernel_reads_misaligned_sources_through_an_aligned_copy():
+    """A contiguous view at an odd storage offset is not 16-byte aligned: the launcher copies it once, so
+    every address the kernel reads through its table is aligned (the kernels promise the compiler that)."""
+    sources, query, norm_weight, grad_out = make_inputs(3, 64, torch.float32)
+    flat = torch.empty(sources[1].numel() + 1, device=DEVICE)
+    flat[1:] = sources[1].detach().flatten()
+    shifted = [sources[0], flat[1:].view_as(sources[1]).requires_grad_(), sources[2]]
+    assert shifted[1].is_contiguous() and shifted[1].data_ptr() % 16
+    tables = []
+    with observe_launches(lambda launch: tables.append(launch.args["table"].tolist()) and False):
+        got = depth_route(shifted, query, norm_weight)
+        got_grads = torch.autograd.grad(got, shifted, grad_out)
+    assert tables and all(address % 16 == 0 for table in tables for address in table)
+    want = reference(sources, query, norm_weight)
+    assert_close(got, want, 1e-5, 1e-5)
+    for g, w in zip(got_grads, torch.autograd.grad(want, sources, grad_out)):
+        assert_close(g, w, 1e-5, 1e-5)
+
+
 @pytest.mark.parametrize("bad,message", [
     (lambda s: [s[0], s[1][:, :3]], r"sources\[1\] is .* every source must match"),
-    (lambda s: [s[0], s[1].double()], r"take sources of dtype .*; sources\[1\] is torch.float64"),
+    (lambda s: [s[0], s[1].double()], r"take sources of dtype .*; got torch.float64"),
     (lambda s: [s[0], s[1].half(), s[1].bfloat16()], "mix 3 dtypes"),
     (lambda s: [x[0] for x in s], r"sources must be \(B, T, d\)"),
     (lambda s: [], "at least one source"),
@@ -253,4 +272,19 @@ def test_kernel_at_1044m_shape_on_gpu():
     assert_close(got, want, 2 ** -7, 1e-5)
     for g, w in zip(torch.autograd.grad(got, [*sources, query], grad_out),
                     torch.autograd.grad(want, [*sources, query], grad_out)):
+        assert_close(g, w, 2 ** -7, 1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_kernel_launches_on_the_tensors_device():
+    """Triton launches on the current device: tensors on cuda:1 read while cuda:0 is current."""
+    sources, query, norm_weight, grad_out = make_inputs(5, 96, torch.bfloat16)
+    on_1 = [s.detach().to("cuda:1").requires_grad_() for s in sources]
+    q1, g1 = query.detach().to("cuda:1"), norm_weight.detach().to("cuda:1")
+    with torch.cuda.device(0):
+        got = depth_route(on_1, q1, g1)
+        grads = torch.autograd.grad(got, on_1, grad_out.to("cuda:1"))
+    want = reference(on_1, q1, g1)
+    assert_close(got, want, 2 ** -7, 1e-5)
+    for g, w in zip(grads, torch.autograd.grad(want, on_1, grad_out.to("cuda:1"))):
         assert_close(g, w, 2 ** -7, 1e-4)

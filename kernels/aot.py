@@ -1,0 +1,191 @@
+"""Compile the depth-routing kernels for an H100/H200 (sm_90) on any machine, and read what the compiler made.
+
+    python -m kernels.aot                   # every specialisation the model launches at d = 768, 1024, 1280, 4096
+    python -m kernels.aot --json out.json   # also save the table
+
+The pinned Triton wheel compiles for sm_90 without a GPU and ships NVIDIA's assembler (ptxas). The
+specialisations compiled are exactly those a GPU run launches: the model runs one training step on the meta
+device (kernels.traffic.dry_step) for every method and routing option, and each launch's arguments are bound
+as Triton's launcher binds them on a GPU (integers equal to 1 or divisible by 16, 16-byte aligned pointers:
+the launchers guarantee the alignment). For each specialisation it reports registers per thread and spill
+bytes (`ptxas -v`), shared memory, and the width of every global load and store in the PTX: a source read at
+bandwidth is moved in 128-bit transfers (`ld.global.v4.b32`, `st.global.v4.b32`, or a 16-byte `cp.async`
+of the software pipeline), never element by element (`ld.global.b16` is 2 bytes).
+
+`check` holds the rules the GPU-readiness test (tests/test_gpu_ready.py) enforces.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from kernels.depth_route import Launch
+from kernels.traffic import ByteCounter, dry_step
+from model import ModelConfig
+
+TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+PAPER_WIDTHS = (768, 1024, 1280, 4096)      # d of the 220M, 533M / 0.6B, 1044M and 8B configs
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+# every routing option the model has, so every kernel variant it can launch is compiled
+VARIANTS = [dict(residual="attnres"), dict(residual="full_attnres", null_source=True), dict(residual="delta"),
+            dict(residual="delta", null_source=True, gate=True), dict(residual="delta_block"),
+            dict(residual="delta_block", block_source="paper"), dict(residual="delta_block", include_partial=False),
+            dict(residual="delta_block", null_source=True, gate=True)]
+# (parameter dtype, sublayer output dtype): autocast on one GPU or DDP; FSDP2's bf16 parameters
+REGIMES = {"autocast": (torch.float32, torch.bfloat16), "bf16": (torch.bfloat16, torch.bfloat16)}
+_BITS = {"8": 8, "16": 16, "32": 32, "64": 64}
+
+
+@dataclass
+class Compiled:
+    name: str               # kernel name and what makes the specialisation distinct
+    num_warps: int
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    accesses: dict          # {bits: count} of global loads, stores and cp.async copies in the PTX
+
+
+def model_launches(d: int, tokens: tuple[int, int] = (2, 64)) -> list[Launch]:
+    """Every kernel launch of one training step, for every routing variant and dtype regime, at width d."""
+    shape = dict(vocab_size=64, d_model=d, n_layers=4, n_heads=d // 64, n_kv_heads=d // 256 or 1, head_dim=64,
+                 d_ff=4 * d, n_blocks=2, kernel="triton")
+    launches = []
+    for param_dtype, output_dtype in REGIMES.values():
+        for variant in VARIANTS:
+            counter = ByteCounter()
+            dry_step(ModelConfig(**shape, **variant), tokens, counter, param_dtype, output_dtype)
+            launches += counter.launches
+    return launches
+
+
+def _bind(launch: Launch, backend):
+    """What Triton's launcher makes of these arguments on a GPU: (signature, constexprs, attrs, options)."""
+    fn = launch.kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(**launch.args)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.args, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def specialisations(launches: list[Launch]) -> dict[str, tuple]:
+    """Distinct compiled kernels among the launches: {description: (fn, signature, constexprs, attrs, options)}."""
+    backend = make_backend(TARGET)
+    found = {}
+    for launch in launches:
+        signature, constexprs, attrs, options = _bind(launch, backend)
+        consts = {launch.kernel.arg_names[path[0]]: v for path, v in constexprs.items()}
+        flags = " ".join(f"{k}={getattr(v, 'name', v)}" for k, v in consts.items())
+        pointers = " ".join(f"{k}={v[1:]}" for k, v in signature.items() if v.startswith("*") and v != "*i64")
+        key = f"{launch.kernel.fn.__name__} {flags} warps={options.num_warps} | {pointers}"
+        found.setdefault(key, (launch.kernel, signature, constexprs, attrs, options))
+    return found
+
+
+def _ptx_accesses(ptx: str) -> Counter:
+    """{bits: count} of the global memory transfers in PTX: ld/st.global (vector width x element size) and
+    cp.async global -> shared copies (their byte count)."""
+    widths = Counter()
+    for vec, bits in re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9_:]+)*?(?:\.v(\d))?\.[bfsu](8|16|32|64)\b", ptx):
+        widths[int(vec or 1) * _BITS[bits]] += 1
+    for size in re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9_:]+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*"
+                           r"(0x[0-9a-f]+|\d+)", ptx):
+        widths[8 * int(size, 0)] += 1
+    return widths
+
+
+def _ptxas(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill store + load bytes) from `ptxas -v` for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([PTXAS, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{TARGET.arch}a", path, "-o", path + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    return registers, spills
+
+
+def compile_one(name: str, spec: tuple) -> Compiled:
+    fn, signature, constexprs, attrs, options = spec
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    registers, spills = _ptxas(kernel.asm["ptx"])
+    return Compiled(name, options.num_warps, registers, spills, kernel.metadata.shared,
+                    dict(_ptx_accesses(kernel.asm["ptx"])))
+
+
+def register_bound(num_warps: int) -> int:
+    """Registers per thread that still let two programs of num_warps warps share an SM (255 at most)."""
+    return min(255, REGISTERS_PER_SM // (2 * 32 * num_warps))
+
+
+def check(c: Compiled) -> list[str]:
+    """What keeps a compiled kernel from streaming at bandwidth on sm_90; empty when nothing does.
+
+    - no spills; registers and shared memory that let two programs share an SM;
+    - no global access narrower than 32 bits (a 16-bit source is then read element by element);
+    - tiles move in 128-bit transfers: at most 16 transfers of 32 bits (per-row scalars: lse, D) and at least
+      one of 128 bits (64-bit transfers are the address table's entries and pairs of per-row scalars)."""
+    problems = []
+    if c.spill_bytes:
+        problems.append(f"spills {c.spill_bytes} bytes")
+    if c.registers > register_bound(c.num_warps):
+        problems.append(f"{c.registers} registers > {register_bound(c.num_warps)} (two programs of "
+                        f"{c.num_warps} warps per SM)")
+    if c.shared_bytes > SHARED_PER_SM // 2:
+        problems.append(f"{c.shared_bytes} bytes of shared memory > {SHARED_PER_SM // 2} (two programs per SM)")
+    narrow = {bits: n for bits, n in c.accesses.items() if bits < 32}
+    if narrow:
+        problems.append(f"global accesses narrower than 32 bits: {narrow}")
+    if c.accesses.get(32, 0) > 16:
+        problems.append(f"{c.accesses[32]} 32-bit global accesses: a tile is read element by element")
+    if not c.accesses.get(128):
+        problems.append("no 128-bit global transfer")
+    return problems
+
+
+def compile_all(widths: tuple[int, ...] = PAPER_WIDTHS) -> dict[int, list[Compiled]]:
+    return {d: [compile_one(name, spec) for name, spec in specialisations(model_launches(d)).items()]
+            for d in widths}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=list(PAPER_WIDTHS))
+    parser.add_argument("--json", help="also write the table to this file")
+    args = parser.parse_args()
+    if not os.path.exists(PTXAS):
+        raise SystemExit(f"this Triton wheel has no ptxas at {PTXAS}")
+    results = compile_all(tuple(args.widths))
+    failed = 0
+    for d, compiled in results.items():
+        for c in compiled:
+            problems = check(c)
+            failed += bool(problems)
+            accesses = " ".join(f"{bits}b:{n}" for bits, n in sorted(c.accesses.items()))
+            print(f"d={d:<5} {c.registers:>3} regs (<= {register_bound(c.num_warps)}) {c.spill_bytes:>4} B spilled "
+                  f"{c.shared_bytes:>6} B shared | {accesses:<28} | {'; '.join(problems) or 'ok'} | {c.name}")
+    print(f"{sum(map(len, results.values()))} specialisations, {failed} with problems")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({d: [vars(c) for c in compiled] for d, compiled in results.items()}, f, indent=2)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The memory traffic depth routing adds to one training step, per method, and the speed it predicts.
+
+    python -m kernels.traffic                      # the 1044M shape: 36 layers, d = 1280, 8 blocks, 4 x 1024 tokens
+    python -m kernels.traffic --json out.json      # also save the figures
+
+Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
+cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
+real `model.Model` on the meta device (shapes and dtypes, no data, no GPU), where
+- every kernel launch is seen by `kernels.depth_route.observe_launches` (the tensors it reads, with how many
+  times, and writes) and skipped;
+- every torch op is seen by a TorchDispatchMode: it reads its tensor arguments and writes its outputs (views
+  and allocations move nothing; a broadcast tensor counts its distinct elements once);
+- the sublayers (attention, MLP) and the LM head are stubs that move nothing: they are the same in every
+  method, and the paper configs compile them;
+- the RMSNorm modules are counted as compiled (the paper configs compile them, distributed.compile_sublayers):
+  forward reads x and writes y, backward reads x and dy and writes dx, each once.
+Routing's bytes are the step's bytes minus the baseline's. Dtypes follow train.py on one GPU or with DDP:
+fp32 parameters, embedding and residual stream, bf16 sublayer outputs (autocast).
+
+The time model: the baseline step takes flops_per_token / (MFU x peak FLOP/s); routing adds its bytes /
+(bandwidth efficiency x peak bandwidth), serially (nothing overlaps it). The predicted tokens/s ratio is
+t_baseline / (t_baseline + t_routing). Every assumption is printed with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kernels.depth_route import Launch, observe_launches
+from model import Model, ModelConfig, RMSNorm
+
+SHAPE_1044M = dict(vocab_size=151936, d_model=1280, n_layers=36, n_heads=20, n_kv_heads=4, head_dim=64,
+                   d_ff=5120, n_blocks=8)
+TOKENS_1044M = (4, 1024)                     # per GPU micro-batch of the paper's 1044M runs
+METHODS = {                                  # label -> ModelConfig overrides
+    "baseline": dict(residual="baseline"),
+    "attnres": dict(residual="attnres"),
+    "full_attnres": dict(residual="full_attnres"),
+    "delta": dict(residual="delta"),
+    "delta_block": dict(residual="delta_block"),
+}
+# dense bf16 tensor-core FLOP/s and HBM bytes/s from the vendor's data sheets (SXM parts)
+DEVICES = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12)}
+MFU = 0.40                    # the baseline's model FLOPs utilisation: a fast, well-tuned run
+BANDWIDTH_EFFICIENCY = 0.80   # the fraction of peak bandwidth routing's kernels and ops are assumed to reach
+OUTPUT_DTYPE = torch.bfloat16
+
+
+def _distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements a tensor covers (a stride-0 broadcast dimension counts once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+_WRITE_ONLY = {"copy_", "fill_", "zero_"}   # their first argument is written, not read
+
+
+class ByteCounter(TorchDispatchMode):
+    """Counts the bytes every op reads and writes, by (phase, name); kernel launches through `launch`."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: Counter[tuple[str, str]] = Counter()
+        self.launches: list[Launch] = []
+        self.phase = "forward"
+
+    def add(self, name: str, n: int) -> None:
+        self.bytes[(self.phase, name)] += n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name.startswith(("empty", "new_empty")) or name in ("detach", "alias"):
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if name in _WRITE_ONLY:
+            inputs = inputs[1:]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.add(f"torch {name}", sum(map(_distinct_bytes, inputs)) + sum(map(_distinct_bytes, outputs)))
+        return out
+
+    def launch(self, launch: Launch) -> bool:
+        self.launches.append(launch)
+        moved = sum(_distinct_bytes(t) * times for t, times in launch.reads) + sum(map(_distinct_bytes, launch.writes))
+        self.add(f"kernel {launch.kernel.fn.__name__}", moved + 8 * launch.args["table"].numel())
+        return True                               # meta tensors: nothing to launch
+
+
+class _Stub(torch.autograd.Function):
+    """A sublayer or head that moves nothing: (B, T, d) in, a fresh tensor of `shape` and `dtype` out (the
+    dtype autocast gives a matmul's output)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        ctx.like = (x.shape, x.dtype)
+        return x.new_empty(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype = ctx.like
+        return grad.new_empty(shape, dtype=dtype), None, None
+
+
+class _CompiledNorm(torch.autograd.Function):
+    """RMSNorm as one fused kernel would move it: forward reads x and writes y, backward reads x and dy and
+    writes dx (the weight's gradient is a (d,) reduction, left out)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counter: ByteCounter) -> torch.Tensor:
+        ctx.x, ctx.counter = x, counter
+        y = x.new_empty(x.shape)
+        counter.add("compiled RMSNorm", 2 * _distinct_bytes(x))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        ctx.counter.add("compiled RMSNorm", 2 * _distinct_bytes(ctx.x) + _distinct_bytes(dy))
+        return dy.new_empty(ctx.x.shape, dtype=ctx.x.dtype), None
+
+
+def _stub(model: Model, counter: ByteCounter, output_dtype: torch.dtype) -> None:
+    """Replace the sublayers and the head by stubs and the norms by compiled-norm counters, on this instance."""
+    vocab = model.cfg.vocab_size
+    for layer in model.layers:
+        layer.self_attn.forward = lambda x, rope: _Stub.apply(x, x.shape, output_dtype)
+        layer.mlp.forward = lambda x: _Stub.apply(x, x.shape, output_dtype)
+    model.lm_head.forward = lambda y: _Stub.apply(y, (*y.shape[:-1], vocab), output_dtype)
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.forward = lambda x: _CompiledNorm.apply(x, counter)
+
+
+def dry_step(cfg: ModelConfig, tokens: tuple[int, int], counter: ByteCounter,
+             param_dtype: torch.dtype = torch.float32, output_dtype: torch.dtype = OUTPUT_DTYPE) -> None:
+    """One forward + backward of `cfg` on `tokens` (batch, seq_len) on the meta device, the sublayers and head
+    stubbed (their outputs in output_dtype), every op and launch shown to `counter` (launches skipped)."""
+    with torch.device("meta"):
+        model = Model(cfg).to(param_dtype)
+    idx = torch.zeros(tokens, dtype=torch.int64, device="meta")
+    _stub(model, counter, output_dtype)
+    with observe_launches(counter.launch), counter:
+        logits = model(idx)
+        counter.phase = "backward"
+        logits.backward(torch.empty_like(logits))
+
+
+def count_step(cfg: ModelConfig, tokens: tuple[int, int]) -> Counter[tuple[str, str]]:
+    """Bytes moved by one forward + backward of `cfg` on `tokens` (batch, seq_len), by (phase, name)."""
+    counter = ByteCounter()
+    dry_step(cfg, tokens, counter)
+    return counter.bytes
+
+
+def measure(shape: dict = SHAPE_1044M, tokens: tuple[int, int] = TOKENS_1044M, methods: dict = METHODS,
+            kernel: str = "triton") -> dict[str, dict]:
+    """{method: {"bytes_per_token", "forward", "backward", "by_name"}} of what routing adds to the baseline."""
+    n_tokens = tokens[0] * tokens[1]
+    counts = {label: count_step(ModelConfig(**shape, **overrides, kernel=kernel), tokens)
+              for label, overrides in methods.items()}
+    base = counts["baseline"]
+    results = {}
+    for label, count in counts.items():
+        extra = Counter(count)
+        extra.subtract(base)
+        per_phase = {p: sum(v for (ph, _), v in extra.items() if ph == p) / n_tokens for p in ("forward", "backward")}
+        results[label] = {"bytes_per_token": sum(extra.values()) / n_tokens, **per_phase,
+                          "by_name": {f"{p} {n}": v / n_tokens for (p, n), v in extra.most_common() if v}}
+    return results
+
+
+def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, device: str) -> float:
+    """Predicted tokens/s relative to the baseline on `device` under the module's stated assumptions."""
+    flops, bandwidth = DEVICES[device]
+    t_base = flops_per_token / (MFU * flops)
+    t_route = routing_bytes_per_token / (BANDWIDTH_EFFICIENCY * bandwidth)
+    return t_base / (t_base + t_route)
+
+
+def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], top: int = 6) -> str:
+    from train import flops_per_token
+    fpt = flops_per_token(cfg, tokens[1])
+    lines = [f"routing traffic of one training step: {cfg.n_layers} layers, d = {cfg.d_model}, {cfg.n_blocks} blocks, "
+             f"{tokens[0]} x {tokens[1]} tokens, fp32 stream + bf16 sublayer outputs (autocast)",
+             f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (train.flops_per_token) at MFU {MFU:.0%}; "
+             f"routing at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth, not overlapped; " +
+             "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
+             f"{'method':<14}{'MB/token':>10}{'forward':>10}{'backward':>10}"
+             + "".join(f"{'tok/s ' + k:>13}" for k in DEVICES)]
+    for label, r in results.items():
+        ratios = "".join(f"{predicted_ratio(r['bytes_per_token'], fpt, k):>12.3f}x" for k in DEVICES)
+        lines.append(f"{label:<14}{r['bytes_per_token'] / 1e6:>10.3f}{r['forward'] / 1e6:>10.3f}"
+                     f"{r['backward'] / 1e6:>10.3f}{ratios}")
+    lines.append(f"where the bytes go (MB per token, the {top} largest items per method):")
+    for label, r in results.items():
+        if label == "baseline":
+            continue
+        items = ", ".join(f"{name} {v / 1e6:.3f}" for name, v in list(r["by_name"].items())[:top])
+        lines.append(f"  {label}: {items}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", default="triton", choices=("triton", "reference"),
+                        help="the routing path to count: the kernels (as on a GPU) or the reference")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    cfg = ModelConfig(**SHAPE_1044M)
+    results = measure(kernel=args.kernel)
+    print(report(results, cfg, TOKENS_1044M))
+    if args.json:
+        from train import flops_per_token
+        fpt = flops_per_token(cfg, TOKENS_1044M[1])
+        for r in results.values():
+            r["predicted_ratio"] = {k: predicted_ratio(r["bytes_per_token"], fpt, k) for k in DEVICES}
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE_1044M, "tokens": TOKENS_1044M, "kernel": args.kernel, "mfu": MFU,
+                       "bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "devices": DEVICES, "methods": results}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()
