@@ -191,11 +191,12 @@ def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, h_ptr, base_ptr, d
 @dataclass
 class Launch:
     """One kernel launch as observers see it: the kernel, its grid and keyword arguments (launch options
-    included), and the tensors it reads and writes in full, with how many times it reads each."""
+    included), and what it reads and writes in full: tensors, or a SourceTable (every source in it), each
+    read the given number of times."""
     kernel: triton.JITFunction
     grid: int
     args: dict
-    reads: list[tuple[Tensor, int]]
+    reads: list[tuple[Tensor | SourceTable, int]]
     writes: list[Tensor]
 
 
@@ -213,7 +214,7 @@ def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
         _observers.remove(observer)
 
 
-def _launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor, int]], writes: list[Tensor],
+def _launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor | SourceTable, int]], writes: list[Tensor],
             device: torch.device, **args) -> None:
     if _observers:
         launch = Launch(kernel, grid, args, reads, writes)
@@ -345,7 +346,7 @@ def route_forward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: f
     out = torch.empty_like(first, dtype=out_dtype or first.dtype)
     lse = torch.empty(M, dtype=torch.float32, device=dev)
     cfg = _config(M, d)
-    reads = [(s, 1) for s in table.tensors] + ([(h, 1), (base, 1)] if diff is not None else [])
+    reads = [(table, 1)] + ([(h, 1), (base, 1)] if diff is not None else [])
     _launch(_route_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads + [(query, 1), (norm_weight, 1)], [out, lse], dev,
             table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, h_ptr=h, base_ptr=base,
             q_ptr=query, g_ptr=norm_weight, out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps,
@@ -372,7 +373,7 @@ def route_backward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: 
     grid = triton.cdiv(M, cfg["BLOCK_M"])
     du = torch.empty(grid, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
     passes = 1 if D is not None else 2
-    reads = [(s, passes) for s in table.tensors] + [(go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
+    reads = [(table, passes), (go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
     reads += ([(D, 1)] if D is not None else []) + ([(h, passes), (base, passes)] if diff is not None else [])
     _launch(_route_bwd, grid, reads, grads + grads_b + [du] + ([dpart] if diff is not None else []), dev,
             table=table.addresses, n_a=n_a, n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b,

@@ -1,119 +1,308 @@
-"""The model's memory-lean routing path: the depth read fused with the sublayer's pre-norm.
+"""The model's fast routing path: depth reads grouped by the sources they share, fused with the pre-norm.
 
-The reference path (router.DepthState) computes, per receiving sublayer,
+The reference (router.DepthState) computes, per receiving sublayer, x = h~ + g r (additive, Eq. 2) or x = r
+(replacement) and y = RMSNorm(x), and autograd saves and sums whatever every op needs. `GroupedDepthState`
+runs the same policy with the kernels of kernels/grouped.py:
 
-    x = h~ + g r   (additive, Eq. 2)   or   x = r   (replacement, AttnRes)        y = RMSNorm_w(x)
+- receivers are grouped (`plan_groups`): a Delta Block or AttnRes block is a group; fine-grained methods,
+  which commit a source before every sublayer, take groups of `fine_group_size` consecutive receivers;
+- at a group's start one autograd node (`GroupRead`) reads the committed sources once for all of the group's
+  receivers (phase 1) and keeps, per receiver, r_C (in the sources' dtype) and lse_C;
+- each receiver is one node (`ReceiverRead`) that finishes its read (phase 2) over its own sources (outputs
+  committed since the group began; the partial block as h~ - base, never stored; a null source as a flag)
+  and returns y = RMSNorm(x) directly; its backward recomputes r, x and the norm;
+- gradients of sources never pass through autograd per receiver: every kernel adds its sources' gradients
+  in place into one accumulator per source (`GradBank`), and only the first node that read a source in the
+  forward (the last to run backward) returns that accumulator to autograd, once. The partial block's
+  gradient goes to h~ in each receiver and, negated, to its base: summed over the group and returned once
+  by the group's node.
 
-and autograd saves whatever every op needs: the stacked sources, the partial block (a fresh (B, T, d) tensor
-per sublayer in Delta Block), x and its normalised form. `RoutedNorm` computes y in one autograd node that
-saves only tensors which exist anyway (the stream h~, the committed sources, the stream at the block start)
-plus 4 bytes per token, and recomputes r, x and the norm in backward. The recomputed r also gives the
-softmax's shared term, so the backward reads the sources twice, as a backward that saved r would.
-Delta Block's partial block is passed as the difference h~ - base (base = the stream at the block start, or
-the last source for the paper's formula), so it is never stored; the null source is a flag, never a tensor
-of zeros.
-
-`LeanDepthState` is router.DepthState with those fused reads; model.Model picks it (the one dispatch point,
-model.uses_kernel) for CUDA tensors or when ModelConfig.kernel == "triton".
+model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelConfig.kernel == "triton".
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernels.depth_route import route_backward, route_forward, source_table
-from router import DepthState, Router, rms_norm
+from kernels.depth_route import SourceTable, _aligned, source_table
+from kernels.grouped import (group_backward, group_forward, receiver_backward, receiver_forward, slot_view,
+                             slots)
+from router import DepthState, Policy, Router
 
 
-def _mix(h: Tensor | None, gate: Tensor | None, r: Tensor) -> Tensor:
-    """x = r (replacement, h None), h + r, or h + gate * r: the same ops as DepthState.input."""
-    if h is None:
-        return r
-    return h + (r if gate is None else gate * r)
+def fine_group_size(n_sublayers: int) -> int:
+    """Receivers per group when every output is a source: a group of G reads its N committed sources once
+    (about 3 N bytes per row, forward and backward) and each receiver up to G - 1 recent outputs itself
+    (about 4 each); over the depth the total is smallest near G = sqrt(3 n_sublayers / 8) (6 at 36 layers)."""
+    return max(2, round(math.sqrt(3 * n_sublayers / 8)))
 
 
-class RoutedNorm(torch.autograd.Function):
-    """y = RMSNorm_weight(x), x = _mix(h, gate, r), r = Eq. 1 over sources [+ (h - base)] [+ a zero source]."""
+def plan_groups(policy: Policy, n_receivers: int, group_size: int) -> list[int]:
+    """The group of each receiver: a new group starts at a commit once the current one has seen
+    group_size - 1 commits since it began (group_size 1: at every commit)."""
+    plan, group, since = [], 0, 0
+    for l in range(n_receivers):
+        if l in policy.boundaries:
+            if since >= group_size - 1:
+                group, since = group + 1, 0
+            else:
+                since += 1
+        plan.append(group)
+    return plan
+
+
+class GradBank:
+    """One gradient accumulator per committed source of a forward pass: a buffer of slots per dtype, made at
+    the first backward kernel that needs it (the list of sources is complete by then). A source's slot is its
+    position among the sources of its dtype, so a table of consecutive sources maps to consecutive slots."""
+
+    def __init__(self, sources: list[Tensor]):
+        self.sources = sources                      # the forward pass's list, as it grows
+        self.buffers: dict[torch.dtype, Tensor] = {}
+        self.position: list[int] = []
+
+    def _allocate(self) -> None:
+        counts: dict[torch.dtype, int] = {}
+        for s in self.sources:
+            self.position.append(counts.get(s.dtype, 0))
+            counts[s.dtype] = counts.get(s.dtype, 0) + 1
+        self.buffers = {dtype: slots(n, self.sources[0], dtype) for dtype, n in counts.items()}
+
+    def pointers(self, table: SourceTable | None, first: int) -> tuple[Tensor, Tensor, int, int]:
+        """(acc_a, acc_b, off_a, off_b) for a table of sources[first:...] (the kernels' accumulator arguments)."""
+        if not self.buffers:
+            self._allocate()
+        if table is None:
+            any_buffer = next(iter(self.buffers.values()))
+            return any_buffer, any_buffer, 0, 0
+        ends = [(0, table.n_a), (table.n_a, len(table.tensors))]
+        out = []
+        for start, end in ends:
+            if start == end:
+                out.append((out[0][0] if out else next(iter(self.buffers.values())), 0))
+                continue
+            k0, k1 = first + table.order[start], first + table.order[end - 1]
+            assert self.position[k1] - self.position[k0] == end - start - 1, "table sources are not consecutive"
+            out.append((self.buffers[self.sources[k0].dtype], self.position[k0]))
+        return out[0][0], out[1][0], out[0][1], out[1][1]
+
+    def grad(self, k: int) -> Tensor:
+        return slot_view(self.buffers[self.sources[k].dtype], self.position[k], self.sources[k])
+
+
+@dataclass
+class Group:
+    """What one group's receivers share: phase 1's tables and buffers, and what their backwards leave for it."""
+    index: int
+    last: bool                        # the last group: the first whose backward runs (writes accumulators)
+    first_receiver: int
+    routers: list[Router]
+    table: SourceTable                # the committed sources C = sources[:n_committed]
+    n_committed: int
+    base: Tensor                      # h~ at the group's start: the partial block's base for its receivers
+    eps: float
+    state: Tensor = None              # (R, slab) r_C per receiver, in the sources' dtype
+    lse_c: Tensor = None              # (R, M)
+    lse: Tensor = None                # (R, M) the receivers' full log-sum-exp
+    go: Tensor | None = None          # (R, slab) dL/dr per receiver, written by their backwards
+    D: Tensor | None = None           # (R, M) go . r
+    dbase: Tensor | None = None       # (R, slab) -dL/d(partial) of receivers whose base is `base`
+    dbase_slots: list[int] = field(default_factory=list)
+    output: Tensor | None = None      # GroupRead's output (the state), an input of every receiver's node
+
+    def backward_buffers(self, like: Tensor) -> None:
+        if self.go is None:
+            n = len(self.routers)
+            self.go = slots(n, like, self.state.dtype)
+            self.D = torch.empty_like(self.lse)
+            if self.dbase_slots:
+                self.dbase = slots(n, like, self.base.dtype)
+
+
+def _params(routers: list[Router]) -> list[Tensor]:
+    return [p for r in routers for p in (r.query, r.norm_weight)]
+
+
+class GroupRead(torch.autograd.Function):
+    """Phase 1 of a group. Inputs: the group's base h~, the committed sources this node owns, each receiver's
+    query and norm weight. Output: the r_C buffer, which every receiver of the group takes as an input, so this
+    node's backward runs after theirs."""
 
     @staticmethod
-    def forward(ctx, h: Tensor | None, base: Tensor | None, query: Tensor, norm_weight: Tensor,
-                gate: Tensor | None, weight: Tensor, eps: float, norm_eps: float, null: bool,
-                *sources: Tensor) -> Tensor:
-        diff = (h, base) if base is not None else None
-        table = source_table(list(sources))
-        r, lse = route_forward(table, query, norm_weight, eps, diff, null)   # (B, T, d), (B*T,)
-        y = rms_norm(_mix(h, gate, r), weight, norm_eps)
-        ctx.save_for_backward(h, base, query, norm_weight, gate, weight, lse, *sources)
-        ctx.table, ctx.eps, ctx.norm_eps, ctx.null = table, eps, norm_eps, null
+    def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, *inputs: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.group, ctx.bank, ctx.owned = group, bank, owned
+        like = group.table.tensors[0]
+        M, R = like.numel() // like.shape[-1], len(group.routers)
+        queries = torch.stack([r.query for r in group.routers]).detach()          # (R, d)
+        norm_weights = torch.stack([r.norm_weight for r in group.routers]).detach()
+        group.state = slots(R, like, group.table.tensors[-1].dtype)
+        group.lse_c = torch.empty(R, M, dtype=torch.float32, device=like.device)
+        group.lse = torch.empty_like(group.lse_c)
+        group_forward(group.table, queries, norm_weights, group.eps, group.state, group.lse_c)
+        ctx.params = (queries, norm_weights)
+        return group.state
+
+    @staticmethod
+    def backward(ctx, _):
+        group, bank = ctx.group, ctx.bank
+        queries, norm_weights = ctx.params
+        like = group.table.tensors[0]
+        group.backward_buffers(like)
+        du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
+                            bank.pointers(group.table, 0), accumulate=not group.last)
+        dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
+        dbase = None
+        if group.dbase_slots:
+            dbase = group.dbase[group.dbase_slots, :like.numel()].sum(0).view(like.shape)
+        params = [g for pair in zip(dq.unbind(0), dg.unbind(0)) for g in pair]
+        return (None, None, None, dbase, *[bank.grad(k) for k in ctx.owned], *params)
+
+
+@dataclass
+class Receiver:
+    """One receiver's read: its group and slot, its own sources (sources[first:...]) and how it mixes."""
+    group: Group
+    slot: int
+    table: SourceTable | None
+    first: int
+    owned: list[int]
+    null: bool
+    add: bool
+    accumulate: bool                  # False only for the very last receiver: its backward runs first
+    base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
+    eps: float
+    norm_eps: float
+    r_dtype: torch.dtype              # the read-out's dtype (the reference's: sources[0]'s)
+    x_dtype: torch.dtype
+
+
+class ReceiverRead(torch.autograd.Function):
+    """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_weight(h~ + gate r) or RMSNorm_weight(r)."""
+
+    @staticmethod
+    def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor,
+                norm_weight: Tensor, gate: Tensor | None, weight: Tensor, *owned: Tensor) -> Tensor:
+        group = spec.group
+        y_dtype = torch.promote_types(weight.dtype, spec.x_dtype)
+        y = receiver_forward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query, norm_weight,
+                             gate, weight, spec.eps, spec.norm_eps, spec.null, spec.add, spec.r_dtype,
+                             spec.x_dtype, y_dtype)
+        ctx.save_for_backward(h, base, query, norm_weight, gate, weight)
+        ctx.spec, ctx.bank = spec, bank
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        h, base, query, norm_weight, gate, weight, lse, *sources = ctx.saved_tensors
-        diff = (h, base) if base is not None else None
-        # r is recomputed, not saved; in fp32, so that D = dL/dr . r below is as exact as the kernel's own
-        r32, _ = route_forward(ctx.table, query, norm_weight, ctx.eps, diff, ctx.null, out_dtype=torch.float32)
-        r = r32.to(sources[0].dtype)      # what the forward mixed in
-        # the mix and the norm are a few elementwise ops: rerun them under autograd for their gradients
-        leaves = {name: t.detach().requires_grad_() for name, t in
-                  (("r", r), ("h", h), ("gate", gate), ("weight", weight)) if t is not None}
-        with torch.enable_grad():
-            y = rms_norm(_mix(leaves.get("h"), leaves.get("gate"), leaves["r"]), leaves["weight"], ctx.norm_eps)
-            grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
-        D = (grads["r"].float() * r32).sum(-1).flatten()                   # (B*T,) the softmax's shared term
-        dsources, dpart, du = route_backward(ctx.table, query, norm_weight, ctx.eps, grads["r"], lse, diff, D)
-        dh = grads.get("h")
-        dbase = None
-        if dpart is not None:             # the partial is h - base
-            dh, dbase = dh + dpart, -dpart
-        # e = rstd * sum_k s_k w_k g_k: dL/dw = du * g, dL/dg = du * w
-        dquery = (du * norm_weight.float()).to(query.dtype)
-        dnorm_weight = (du * query.float()).to(norm_weight.dtype)
-        return (dh, dbase, dquery, dnorm_weight, grads.get("gate"), grads["weight"], None, None, None,
-                *dsources)
+        h, base, query, norm_weight, gate, weight = ctx.saved_tensors
+        spec, bank = ctx.spec, ctx.bank
+        group = spec.group
+        group.backward_buffers(h)
+        if base is None:
+            dbase = None
+        elif spec.base_to_group:
+            dbase = slot_view(group.dbase, spec.slot, h)
+        else:
+            dbase = torch.empty_like(base)
+        out = receiver_backward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query,
+                                norm_weight, gate, weight, spec.eps, spec.norm_eps, spec.add, spec.r_dtype,
+                                spec.x_dtype, _aligned(dy), bank.pointers(spec.table, spec.first), spec.accumulate,
+                                group.go, group.D, dbase)
+        dquery, dnorm = (out["du"] * norm_weight.float()).to(query.dtype), (out["du"] * query.float()).to(norm_weight.dtype)
+        return (None, None, out["dh"], None if spec.base_to_group else dbase, None, dquery, dnorm,
+                None if gate is None else out["dgate"].to(gate.dtype).view(gate.shape), out["dweight"].to(weight.dtype),
+                *[bank.grad(k) for k in spec.owned])
 
 
-def routed_norm(h: Tensor | None, sources: list[Tensor], router: Router, norm: nn.Module, eps: float,
-                base: Tensor | None = None, null: bool = False) -> Tensor:
-    """RMSNorm_norm(h + gate r) (or RMSNorm(r) when h is None), r read over `sources`, then h - base if base
-    is given, then a zero source if `null`. h, base, sources: (B, T, d) -> (B, T, d)."""
-    return RoutedNorm.apply(h, base, router.query, router.norm_weight, router.gate, norm.weight, eps, norm.eps,
-                            null, *sources)
+class GroupedDepthState(DepthState):
+    """router.DepthState with grouped, fused reads (when given the sublayer's pre-norm). It keeps no running
+    partial block: the partial is h~ - block_start where a read or a commit needs it."""
 
-
-class LeanDepthState(DepthState):
-    """DepthState whose reads, when given the sublayer's pre-norm, go through `routed_norm`."""
-
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, group_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.block_start = self.h         # (B, T, d) h~ at the last commit: the partial is h~ - block_start
+        n_receivers, n_sublayers = len(self.routers), len(self.routers) - int(self.policy.final_read)
+        fine = len(self.policy.boundaries) == n_sublayers - 1          # a source committed before every sublayer
+        self.plan = plan_groups(self.policy, n_receivers, group_size or (fine_group_size(n_sublayers) if fine else 1))
+        self.bank = GradBank(self.sources)
+        self.block_start = self.h         # (B, T, d) h~ at the last commit
+        self.group: Group | None = None
+        self.owned: set[int] = set()      # sources whose gradient some node already returns
+        self.outputs_since_commit: list[Tensor] = []
+
+    def add(self, v: Tensor) -> None:
+        self.h = self.h + v
+        if self.tracks_sources:
+            self.partial = v              # marks a non-empty partial block; its value is h~ - block_start
+            self.outputs_since_commit.append(v)
+        self.l += 1
+
+    def new_source(self) -> Tensor:
+        if self.policy.block_source == "paper":
+            return super().new_source()
+        if len(self.outputs_since_commit) == 1:                      # one output: the source is that output
+            return self.outputs_since_commit[0]
+        return (self.h - self.block_start).to(self.outputs_since_commit[-1].dtype)
 
     def commit(self) -> None:
         n = len(self.sources)
         super().commit()
         if len(self.sources) > n:
-            self.block_start = self.h
+            self.block_start, self.outputs_since_commit = self.h, []
 
-    def fused_read(self, router: Router, norm: nn.Module, additive: bool) -> Tensor:
+    def _claim(self, indices: range) -> list[int]:
+        """The sources among `indices` that no earlier node reads: the reading node returns their gradients."""
+        new = [k for k in indices if k not in self.owned]
+        self.owned.update(new)
+        return new
+
+    def _group_of(self, l: int) -> Group:
+        if self.group is None or self.plan[l] != self.group.index:
+            members = [i for i, g in enumerate(self.plan) if g == self.plan[l]]
+            routers = [self.routers[i] for i in members]
+            committed = list(self.sources)
+            group = Group(self.plan[l], self.plan[l] == self.plan[-1], members[0], routers,
+                          source_table(committed), len(committed), self.block_start, self.eps)
+            owned = self._claim(range(len(committed)))
+            group.output = GroupRead.apply(group, self.bank, owned, self.block_start,
+                                           *[committed[k] for k in owned], *_params(routers))
+            self.group = group
+        return self.group
+
+    def _read(self, norm: nn.Module, add: bool) -> Tensor:
+        l, router = self.l, self.routers[self.l]
         if self.observer is not None:
-            self.observer(self.l, self.candidates(), router)
-        sources, base = list(self.sources), None
+            self.observer(l, self.candidates(), router)
+        group = self._group_of(l)
+        own = self.sources[group.n_committed:]
+        owned = self._claim(range(group.n_committed, len(self.sources)))
+        base = None
         if self.partial is not None and self.policy.include_partial:
-            if not additive:              # replacement keeps no stream to subtract from: pass the partial
-                sources.append(self.new_source())
-            else:
-                base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
-        return routed_norm(self.h if additive else None, sources, router, norm, self.eps, base,
-                           self.policy.null_source)
+            base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
+        base_to_group = base is group.base
+        if base_to_group:
+            group.dbase_slots.append(l - group.first_receiver)
+        r_dtype = self.sources[0].dtype
+        x_dtype = r_dtype
+        if add:
+            x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
+                                          else torch.promote_types(router.gate.dtype, r_dtype))
+        spec = Receiver(group, l - group.first_receiver, source_table(own) if own else None, group.n_committed,
+                        owned, self.policy.null_source, add, l != len(self.routers) - 1, base_to_group, self.eps,
+                        norm.eps, r_dtype, x_dtype)
+        return ReceiverRead.apply(spec, self.bank, self.h, base, group.output, router.query, router.norm_weight,
+                                  router.gate, norm.weight, *[self.sources[k] for k in owned])
 
     def input(self, norm: nn.Module | None = None) -> Tensor:
         if norm is None or self.policy.read == "none":
             return super().input(norm)
         self.commit()
-        return self.fused_read(self.routers[self.l], norm, additive=self.policy.read == "add")
+        return self._read(norm, add=self.policy.read == "add")
 
     def output(self, norm: nn.Module | None = None) -> Tensor:
         if norm is None or not self.policy.final_read:
             return super().output(norm)
-        return self.fused_read(self.routers[self.l], norm, additive=False)
+        return self._read(norm, add=False)

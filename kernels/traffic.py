@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.depth_route import Launch, observe_launches
+from kernels.depth_route import Launch, SourceTable, observe_launches
 from model import Model, ModelConfig, RMSNorm
 
 SHAPE_1044M = dict(vocab_size=151936, d_model=1280, n_layers=36, n_heads=20, n_kv_heads=4, head_dim=64,
@@ -89,7 +89,8 @@ class ByteCounter(TorchDispatchMode):
 
     def launch(self, launch: Launch) -> bool:
         self.launches.append(launch)
-        moved = sum(_distinct_bytes(t) * times for t, times in launch.reads) + sum(map(_distinct_bytes, launch.writes))
+        reads = [(s, times) for t, times in launch.reads for s in (t.tensors if isinstance(t, SourceTable) else [t])]
+        moved = sum(_distinct_bytes(t) * times for t, times in reads) + sum(map(_distinct_bytes, launch.writes))
         self.add(f"kernel {launch.kernel.fn.__name__}", moved + 8 * launch.args["table"].numel())
         return True                               # meta tensors: nothing to launch
 
