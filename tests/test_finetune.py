@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
+import checkpoint
 import finetune
+from config import TrainConfig, load_config
 from finetune import FinetuneConfig, load_hf_qwen3, model_config_from_hf, save_hf_qwen3
 from model import Model, ModelConfig
-from train import TrainConfig, load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -214,7 +215,7 @@ def read_log(tmp_path):
 def step_changes(folder, tmp_path, **overrides):
     """{parameter name: |after one step - before|} from the run's checkpoint and a fresh conversion."""
     before = load_hf_qwen3(str(folder), **overrides).state_dict()
-    after = torch.load(tmp_path / "out" / "ckpt_0000001.pt", weights_only=False)["model"]
+    after = checkpoint.load_checkpoint(str(tmp_path / "out" / "ckpt_0000001.pt"))["model"]
     return {k: (after[k] - before[k]).abs() for k in before}
 
 
@@ -261,7 +262,7 @@ def test_baseline_finetune_exports_to_transformers(ckpts, corpus, tmp_path):
     finetune.main(run_args(folder, corpus, tmp_path))
     out = tmp_path / "hf"
     finetune.main(["export", str(tmp_path / "out" / "ckpt_0000001.pt"), str(out), f"--source={folder}"])
-    ckpt = torch.load(tmp_path / "out" / "ckpt_0000001.pt", weights_only=False)
+    ckpt = checkpoint.load_checkpoint(str(tmp_path / "out" / "ckpt_0000001.pt"))
     ours = Model(ModelConfig(**ckpt["model_config"]))
     ours.load_state_dict(ckpt["model"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
