@@ -220,20 +220,27 @@ def read_meta(path: str) -> dict:
     return {k: v for k, v in load_checkpoint(path).items() if k not in ("model", "optimizer")}
 
 
-def newest_intact(out_dir: str) -> tuple[str, dict]:
-    """The newest checkpoint in out_dir that verifies, and its read_meta; each damaged newer one is reported
-    on stderr and skipped."""
+def newest_intact(out_dir: str, set_aside: bool = False) -> tuple[str, dict]:
+    """The newest checkpoint in out_dir that verifies, and its read_meta; each unusable newer one is reported
+    on stderr and skipped. set_aside (for a run that resumes): once an intact one is found, rename the
+    unusable newer ones to NAME.unusable, so that they are neither resumed from again nor counted among the
+    kept checkpoints; nothing is deleted."""
     paths = checkpoint_paths(out_dir)
     if not paths:
         raise FileNotFoundError(f"no checkpoint (ckpt_*.pt or ckpt_*/) in {out_dir}")
-    problems = []
+    unusable = []
     for path in reversed(paths):
         try:
-            return path, read_meta(path)
+            meta = read_meta(path)
         except CheckpointError as e:
-            problems.append(str(e))
-            print(f"skipping a damaged checkpoint: {e}", file=sys.stderr, flush=True)
-    raise CheckpointError(f"no intact checkpoint in {out_dir}: " + "; ".join(problems))
+            unusable.append((path, str(e)))
+            print(f"skipping an unusable checkpoint: {e}", file=sys.stderr, flush=True)
+            continue
+        for bad, _ in unusable if set_aside else ():
+            os.replace(bad, bad + ".unusable")
+            print(f"renamed {bad} to {bad}.unusable", file=sys.stderr, flush=True)
+        return path, meta
+    raise CheckpointError(f"no intact checkpoint in {out_dir}: " + "; ".join(reason for _, reason in unusable))
 
 
 def _all_finite(ctx: distributed.Context, state: dict) -> bool:

@@ -192,7 +192,7 @@ class _Run:
                                       f"({os.path.basename(existing[-1])}): pass --resume to continue it, or "
                                       "choose another --out_dir")
             return None
-        path, meta = distributed.on_main(self.ctx, lambda: checkpoint.newest_intact(cfg.out_dir))
+        path, meta = distributed.on_main(self.ctx, lambda: checkpoint.newest_intact(cfg.out_dir, set_aside=True))
         if meta["model_config"] != asdict(self.model_cfg):
             diff = {k for k, v in asdict(self.model_cfg).items() if meta["model_config"].get(k) != v}
             raise ValueError(f"--resume: the model config differs from the checkpoint's in {sorted(diff)}")

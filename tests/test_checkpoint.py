@@ -74,7 +74,10 @@ def test_a_flipped_byte_is_detected_and_resume_falls_back_to_the_newest_intact_c
     assert checkpoint.newest_intact(str(out_dir))[0] == older
     resumed = run(out_dir, "--resume", "--max_steps=3")
     assert resumed["step"] == 3 and len(resumed["losses"]) == 2  # steps 2 and 3, from the step-1 checkpoint
-    assert "skipping a damaged checkpoint: " in capsys.readouterr().err
+    assert "skipping an unusable checkpoint: " in capsys.readouterr().err
+    # the damaged one is set aside, not deleted, and no longer counts among the kept checkpoints
+    assert sorted(os.listdir(out_dir)) == ["ckpt_0000001.pt", "ckpt_0000002.pt.unusable", "ckpt_0000003.pt",
+                                           "log.jsonl", "run.lock"]
 
 
 def test_non_finite_weights_are_never_written(tmp_path):

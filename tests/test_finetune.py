@@ -317,3 +317,13 @@ def test_paper_configs_fit_the_released_qwen3_0p6b(name):
     assert converted.residual == name
     if name == "delta_block":
         assert converted.null_source and cfg.lr * ft.router_lr_scale == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("arg, allowed", [("router_lr_scale=-1.0", "finite numbers >= 0"),
+                                          ("text_val_docs=0", "integers >= 1"),
+                                          ("text_max_tokens=-5", r"0 \(the whole text\) or integers >= 1"),
+                                          ("text=", "'fineweb', or a .txt / .jsonl file or folder")])
+def test_nonsense_finetune_values_name_key_value_and_allowed_values(arg, allowed):
+    key, value = arg.split("=")
+    with pytest.raises(ValueError, match=rf"^{key}={value or repr('')}: allowed values are {allowed}"):
+        load_config([f"--{arg}"], classes=(ModelConfig, TrainConfig, FinetuneConfig))
