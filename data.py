@@ -1,13 +1,17 @@
-"""Token data: tokenizers, binary token shards, corpus preparation, and the training batch loader.
+"""Token data: binary token shards, corpus preparation, and the training batch loader (tokenizers: tokenizer.py).
 
 Two corpora are prepared into the same on-disk layout, `data_dir/{split}_{k:06d}.bin` plus `meta.json`:
 
     python data.py shakespeare --out=data/shakespeare                       # embedded, byte-level, offline
     python data.py fineweb --out=data/fineweb_edu_gpt2 --tokenizer=gpt2     # FineWeb-Edu, streamed
 
-A shard is a 256-byte little-endian header (32 int64: magic, version, dtype code, token count, vocab size,
-then zeros) followed by the tokens as uint16 or uint32. `ShardLoader` reads windows of T+1 tokens at
-stride T (consecutive windows share one token) from the shards of one split and deals them out to DDP ranks.
+A shard is a 256-byte little-endian header followed by the tokens as uint16 or uint32. The header is 6 int64
+(magic, version, dtype code, token count, vocab size, length of the tokenizer name), the tokenizer's name in
+UTF-8, then zeros; version 1 shards have no name. Opening a shard checks the header against the file size
+and every token id against the vocabulary (one pass over the memory map). A preparation holds a lock on
+`data_dir/prepare.lock`, so processes that start at once prepare one after another, and the later ones find
+the work done. `ShardLoader` reads windows of T+1 tokens at stride T (consecutive windows share one token)
+from the shards of one split and deals them out to DDP ranks.
 """
 import argparse
 import glob
@@ -20,114 +24,40 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+import cli
+import files
+from tokenizer import ByteTokenizer, get_tokenizer
+
 MAGIC = int.from_bytes(b"DARS", "little")  # a shard file starts with the bytes "DARS"
-VERSION = 1
-HEADER_INTS = 32
-HEADER_BYTES = HEADER_INTS * 8
+VERSION = 2
+HEADER_INTS = 6
+HEADER_BYTES = 256
+MAX_NAME_BYTES = HEADER_BYTES - HEADER_INTS * 8
 DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # dtype code = bytes per token
-
-QWEN3_REPO = "Qwen/Qwen3-0.6B"
-QWEN3_VOCAB_SIZE = 151936  # Qwen3's embedding rows; its tokenizer defines fewer ids
-TOKENIZER_NAMES = ("byte", "gpt2", "qwen3")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Tokenizers: every one has .name, .vocab_size, .eot, .encode(str), .encode_batch(list[str]), .decode(ids)
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens, plus one end-of-text token: no vocabulary file, so the default corpus is offline."""
-    name = "byte"
-    vocab_size = 257
-    eot = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: list[int]) -> str:
-        # A model with a padded vocabulary can sample ids past 255; like eot they are not bytes, so drop them.
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-class TiktokenTokenizer:
-    """GPT-2's BPE through tiktoken (its vocabulary file is downloaded on first use)."""
-
-    def __init__(self, encoding: str = "gpt2"):
-        import tiktoken
-        self.enc = tiktoken.get_encoding(encoding)
-        self.name = encoding
-        self.vocab_size = self.enc.n_vocab
-        self.eot = self.enc.eot_token
-
-    def encode(self, text: str) -> list[int]:
-        # encode_ordinary: a literal "<|endoftext|>" in a web page is text, not a document boundary.
-        return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.enc.encode_ordinary_batch(texts)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.enc.decode(ids)
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizers.Tokenizer` (Qwen3, or any tokenizer.json) whose end-of-text is <|endoftext|>."""
-
-    def __init__(self, tokenizer, name: str, model_vocab_size: int | None = None):
-        self.tok = tokenizer
-        self.name = name
-        self.eot = tokenizer.token_to_id("<|endoftext|>")
-        if self.eot is None:
-            raise ValueError(f"tokenizer {name!r} has no <|endoftext|> token to mark document ends")
-        # The model's embedding may be padded past the tokenizer's ids (Qwen3: 151,936 rows); shards and
-        # check_vocab must use the larger number so that uint32 is chosen and every id is in range.
-        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), model_vocab_size or 0)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-
-def get_tokenizer(name: str, path: str | None = None, model_vocab_size: int | None = None):
-    """A tokenizer by name: "byte", "gpt2", "qwen3" (from `path` if given, else the hub), or a tokenizer.json path."""
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return TiktokenTokenizer("gpt2")
-    from tokenizers import Tokenizer
-    if name == "qwen3":
-        tok = Tokenizer.from_file(path) if path else Tokenizer.from_pretrained(QWEN3_REPO)
-        return HFTokenizer(tok, "qwen3", max(QWEN3_VOCAB_SIZE, model_vocab_size or 0))
-    if path is not None or name.endswith(".json"):
-        return HFTokenizer(Tokenizer.from_file(path or name), name, model_vocab_size)
-    raise ValueError(f"unknown tokenizer {name!r}: use one of {TOKENIZER_NAMES} or a path to a tokenizer.json")
-
+PREPARE_LOCK = "prepare.lock"
 
 # ----------------------------------------------------------------------------------------------------------
 # Shards
 
-def write_shard(path: str, tokens: np.ndarray, vocab_size: int) -> None:
-    """Write 1-D `tokens` with a header; uint16 when the vocabulary fits, else uint32. Atomic via a .tmp file."""
+def write_shard(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
+    """Write 1-D `tokens` of `tokenizer` (its name) with a header; uint16 when the vocabulary fits, else uint32.
+    Atomic (files.atomic_write): a crash never leaves a shard that reads as valid but short."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"{path}: tokens must be 1-D, got shape {tokens.shape}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"{path}: token ids must lie in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    name = tokenizer.encode("utf-8")
+    if not 0 < len(name) <= MAX_NAME_BYTES:
+        raise ValueError(f"{path}: tokenizer name {tokenizer!r} must have 1..{MAX_NAME_BYTES} bytes in UTF-8")
     dtype = DTYPES[2] if vocab_size <= 2**16 else DTYPES[4]
-    header = np.zeros(HEADER_INTS, dtype="<i8")
-    header[:5] = [MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size]
-    # A crash mid-write leaves only the .tmp file, never a shard that reads as valid but short.
-    with open(path + ".tmp", "wb") as f:
-        f.write(header.tobytes())
-        tokens.astype(dtype, copy=False).tofile(f)
-    os.replace(path + ".tmp", path)
+    header = np.array([MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size, len(name)], dtype="<i8")
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes() + name.ljust(MAX_NAME_BYTES, b"\0"))
+            tokens.astype(dtype, copy=False).tofile(f)
+    files.atomic_write(path, write)
 
 
 def _read_header(path: str) -> dict:
@@ -136,37 +66,50 @@ def _read_header(path: str) -> dict:
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise ValueError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header (corrupt?)")
-    magic, version, code, n_tokens, vocab_size = (int(v) for v in np.fromfile(path, "<i8", HEADER_INTS)[:5])
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    magic, version, code, n_tokens, vocab_size, name_bytes = (int(v) for v in np.frombuffer(raw, "<i8", HEADER_INTS))
     if magic != MAGIC:
         raise ValueError(f"{path}: not a token shard (magic {magic:#x}, expected {MAGIC:#x})")
-    if version != VERSION:
-        raise ValueError(f"{path}: unknown shard version {version} (this code reads version {VERSION})")
+    if version not in (1, VERSION):
+        raise ValueError(f"{path}: unknown shard version {version} (this code reads versions 1 and {VERSION})")
     if code not in DTYPES:
         raise ValueError(f"{path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
+    if vocab_size < 1 or not 0 <= (name_bytes if version > 1 else 0) <= MAX_NAME_BYTES:
+        raise ValueError(f"{path}: corrupt header (vocab size {vocab_size}, tokenizer name of {name_bytes} bytes)")
     expected = HEADER_BYTES + n_tokens * code
     if size != expected:
         raise ValueError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file has {size} "
                          f"bytes (truncated or corrupt)")
-    return {"dtype": DTYPES[code], "n_tokens": n_tokens, "vocab_size": vocab_size}
+    name = raw[HEADER_INTS * 8:HEADER_INTS * 8 + name_bytes].decode("utf-8", "replace") if version > 1 else None
+    return {"dtype": DTYPES[code], "n_tokens": n_tokens, "vocab_size": vocab_size, "tokenizer": name}
 
 
 def read_shard(path: str) -> np.ndarray:
-    """The tokens of a validated shard as a read-only memmap (nothing is loaded until indexed)."""
+    """The tokens of a validated shard as a read-only memmap. Every id is checked against the shard's
+    vocabulary here, so a damaged shard fails when it is opened, not at some later step."""
     h = _read_header(path)
     if h["n_tokens"] == 0:  # mmap cannot map zero bytes
         return np.zeros(0, dtype=h["dtype"])
-    return np.memmap(path, dtype=h["dtype"], mode="r", offset=HEADER_BYTES, shape=(h["n_tokens"],))
+    tokens = np.memmap(path, dtype=h["dtype"], mode="r", offset=HEADER_BYTES, shape=(h["n_tokens"],))
+    if h["vocab_size"] <= np.iinfo(h["dtype"]).max and int(tokens.max()) >= h["vocab_size"]:
+        at = int(np.argmax(tokens >= h["vocab_size"]))
+        raise ValueError(f"{path}: token id {int(tokens[at])} at position {at} is outside the shard's vocabulary "
+                         f"[0, {h['vocab_size']}) (a damaged shard, or one written by other code)")
+    return tokens
 
 
-def shard_vocab_size(path: str) -> int:
-    return _read_header(path)["vocab_size"]
+def shard_info(path: str) -> dict:
+    """The vocabulary a shard's ids index: {"tokenizer": name (None for version 1), "vocab_size": ...}."""
+    h = _read_header(path)
+    return {"tokenizer": h["tokenizer"], "vocab_size": h["vocab_size"]}
 
 
 class _ShardWriter:
     """Buffers token ids of one split and writes `{split}_{k:06d}.bin` each time `shard_tokens` are collected."""
 
-    def __init__(self, out_dir: str, split: str, shard_tokens: int, vocab_size: int):
-        self.out_dir, self.split, self.vocab_size = out_dir, split, vocab_size
+    def __init__(self, out_dir: str, split: str, shard_tokens: int, tok):
+        self.out_dir, self.split, self.tok = out_dir, split, tok
         self.buf = np.empty(shard_tokens, dtype=np.uint32)
         self.fill = 0
         self.n_shards = 0
@@ -186,7 +129,7 @@ class _ShardWriter:
     def flush(self) -> None:
         if self.fill:
             path = os.path.join(self.out_dir, f"{self.split}_{self.n_shards:06d}.bin")
-            write_shard(path, self.buf[:self.fill], self.vocab_size)
+            write_shard(path, self.buf[:self.fill], self.tok.vocab_size, self.tok.name)
             self.n_shards += 1
             self.fill = 0
 
@@ -199,11 +142,9 @@ def _clear_split_files(out_dir: str) -> None:
             os.remove(path)
 
 
-def _write_meta(out_dir: str, meta: dict) -> None:
-    path = os.path.join(out_dir, "meta.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(path + ".tmp", path)
+def _preparing(out_dir: str):
+    """The lock a preparation of out_dir holds (created with out_dir): see the module doc."""
+    return files.locked(os.path.join(out_dir, PREPARE_LOCK), wait=True, holder_of=f"the data folder {out_dir}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,14 +183,14 @@ def prepare_shakespeare(out_dir: str, n_val_docs: int = 2) -> dict:
             "train_tokens": sum(len(ids) for _, ids in splits["train"]),
             "val_tokens": sum(len(ids) for _, ids in splits["val"]),
             "n_shards": {"train": 1, "val": 1}}
-    if _is_prepared(out_dir, meta):
-        return meta
-    os.makedirs(out_dir, exist_ok=True)
-    _clear_split_files(out_dir)
-    for split, docs in splits.items():
-        tokens = np.concatenate([np.asarray(ids, dtype=np.uint16) for _, ids in docs])
-        write_shard(os.path.join(out_dir, f"{split}_000000.bin"), tokens, tok.vocab_size)
-    _write_meta(out_dir, meta)
+    with _preparing(out_dir):
+        if _is_prepared(out_dir, meta):
+            return meta
+        _clear_split_files(out_dir)
+        for split, docs in splits.items():
+            tokens = np.concatenate([np.asarray(ids, dtype=np.uint16) for _, ids in docs])
+            write_shard(os.path.join(out_dir, f"{split}_000000.bin"), tokens, tok.vocab_size, tok.name)
+        files.write_json(os.path.join(out_dir, "meta.json"), meta)
     return meta
 
 
@@ -257,8 +198,9 @@ def _is_prepared(out_dir: str, meta: dict) -> bool:
     try:
         if load_meta(out_dir) != meta:
             return False
-        return all(_read_header(os.path.join(out_dir, f"{split}_000000.bin"))["n_tokens"] == meta[f"{split}_tokens"]
-                   for split in ("train", "val"))
+        headers = [_read_header(os.path.join(out_dir, f"{split}_000000.bin")) for split in ("train", "val")]
+        return all((h["n_tokens"], h["tokenizer"]) == (meta[f"{split}_tokens"], meta["tokenizer"])
+                   for h, split in zip(headers, ("train", "val")))
     except (FileNotFoundError, ValueError):
         return False
 
@@ -286,13 +228,23 @@ def prepare_fineweb(out_dir: str, tokenizer: str = "gpt2", tokenizer_path: str |
         import datasets
         stream = datasets.load_dataset(dataset, name=name, split="train", streaming=True)
         texts = (row["text"] for row in stream)
-    os.makedirs(out_dir, exist_ok=True)
-    _clear_split_files(out_dir)
-    docs = iter(texts)  # one iterator: the val split consumes its documents, train continues after them
-    val = _ShardWriter(out_dir, "val", shard_tokens, tok.vocab_size)
-    train = _ShardWriter(out_dir, "train", shard_tokens, tok.vocab_size)
+    with _preparing(out_dir):
+        _clear_split_files(out_dir)
+        counts = _write_splits(out_dir, tok, iter(texts), val_docs, shard_tokens, max_tokens)
+        meta = {"tokenizer": tok.name, "tokenizer_path": tokenizer_path, "vocab_size": tok.vocab_size,
+                "dataset": dataset if from_hub else None, "name": name if from_hub else None, **counts,
+                "shard_tokens": shard_tokens}
+        files.write_json(os.path.join(out_dir, "meta.json"), meta)
+    return meta
+
+
+def _write_splits(out_dir: str, tok, docs: Iterator[str], val_docs: int, shard_tokens: int,
+                  max_tokens: int | None) -> dict:
+    """The first val_docs documents of `docs` into val shards, the rest (up to max_tokens) into train shards."""
+    val = _ShardWriter(out_dir, "val", shard_tokens, tok)
+    train = _ShardWriter(out_dir, "train", shard_tokens, tok)
     n_val_docs = n_train_docs = 0
-    for ids in _encoded(tok, islice(docs, val_docs)):
+    for ids in _encoded(tok, islice(docs, val_docs)):  # one iterator: train continues after the val documents
         val.add(ids)
         n_val_docs += 1
     for ids in _encoded(tok, docs):
@@ -304,13 +256,8 @@ def prepare_fineweb(out_dir: str, tokenizer: str = "gpt2", tokenizer_path: str |
             break
     val.flush()
     train.flush()
-    meta = {"tokenizer": tok.name, "tokenizer_path": tokenizer_path, "vocab_size": tok.vocab_size,
-            "dataset": dataset if from_hub else None, "name": name if from_hub else None,
-            "n_train_docs": n_train_docs, "n_val_docs": n_val_docs,
-            "train_tokens": train.n_tokens, "val_tokens": val.n_tokens,
-            "n_shards": {"train": train.n_shards, "val": val.n_shards}, "shard_tokens": shard_tokens}
-    _write_meta(out_dir, meta)
-    return meta
+    return {"n_train_docs": n_train_docs, "n_val_docs": n_val_docs, "train_tokens": train.n_tokens,
+            "val_tokens": val.n_tokens, "n_shards": {"train": train.n_shards, "val": val.n_shards}}
 
 
 def load_meta(data_dir: str) -> dict:
@@ -319,12 +266,12 @@ def load_meta(data_dir: str) -> dict:
         raise FileNotFoundError(f"{path} not found; prepare {data_dir} first, e.g. "
                                 f"`python data.py shakespeare --out={data_dir}` or "
                                 f"`python data.py fineweb --out={data_dir} --tokenizer=gpt2`")
-    with open(path) as f:
-        return json.load(f)
+    return files.read_json(path)
 
 
 def check_vocab(meta: dict, model_vocab_size: int) -> None:
-    """Tokens must index inside the embedding; a larger (padded) model vocabulary is fine."""
+    """Tokens must index inside the embedding; a larger (padded) model vocabulary is fine. meta: a data
+    folder's meta.json or a loader's `info` (tokenizer and vocab_size)."""
     if meta["vocab_size"] > model_vocab_size:
         raise ValueError(f"data tokenizer {meta['tokenizer']!r} has vocab_size {meta['vocab_size']} but the model's "
                          f"vocab_size is {model_vocab_size}: token ids would index past the embedding")
@@ -362,6 +309,10 @@ class ShardLoader:
         if not paths:
             raise FileNotFoundError(f"no token shards match {pattern}")
         self.shards = [read_shard(p) for p in paths]
+        infos = {json.dumps(shard_info(p)) for p in paths}
+        if len(infos) > 1:
+            raise ValueError(f"the {split} shards in {data_dir} come from different vocabularies: {sorted(infos)}")
+        self.info = json.loads(infos.pop())  # {"tokenizer", "vocab_size"} of the shards
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle, self.step_batch = seed, shuffle, step_batch
         windows = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards])
@@ -422,7 +373,7 @@ class ShardLoader:
 
 # ----------------------------------------------------------------------------------------------------------
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description="prepare token shards")
     sub = parser.add_subparsers(dest="corpus", required=True)
     p = sub.add_parser("shakespeare", help="the embedded byte-level corpus")
@@ -437,7 +388,12 @@ if __name__ == "__main__":
     p.add_argument("--shard_tokens", type=int, default=100_000_000)
     p.add_argument("--max_tokens", type=int, default=None)
     p.add_argument("--val_docs", type=int, default=1000)
-    args = vars(parser.parse_args())
+    args = vars(parser.parse_args(argv))
     corpus, out = args.pop("corpus"), args.pop("out")
     meta = prepare_shakespeare(out, **args) if corpus == "shakespeare" else prepare_fineweb(out, **args)
     print(json.dumps(meta, indent=2))
+    return meta
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,37 +1,22 @@
-"""The parallel plumbing of train.py: the process group from torchrun's environment, DDP or FSDP2 wrapping
-with activation checkpointing and per-sublayer compilation, gradient-sync control, and checkpoints.
-
-A checkpoint is either one `torch.save` file `ckpt_{step:07d}.pt` (single process and DDP; rank 0 writes
-it) or, for FSDP, a sharded `torch.distributed.checkpoint` directory `ckpt_{step:07d}/` (every rank writes
-its shards; `meta.json` holds the step, loader position and configs). Both are written under a temporary
-name and renamed, so a crash mid-save leaves the previous checkpoint intact. `load_checkpoint` reads either
-kind into the same dict (keys model, optimizer, loader, step, model_config, train_config), so eval.py and
-finetune.py read both; to turn a sharded directory into one file (to copy or share it):
-
-    python distributed.py consolidate out/run/ckpt_0001000            # -> out/run/ckpt_0001000.full.pt
+"""The parallel plumbing of train.py: the process group from torchrun's environment, running a step on rank 0
+for every rank, stop requests from SIGINT/SIGTERM, DDP or FSDP2 wrapping with activation checkpointing and
+per-sublayer compilation, and gradient-sync control. Checkpoints are checkpoint.py's.
 """
 from __future__ import annotations
 
+import datetime
 import functools
-import json
 import os
-import re
-import shutil
+import signal
 import sys
-import warnings
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -39,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from model import Model
 
 PARALLEL = ("ddp", "fsdp")
-_CKPT_NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -57,9 +42,12 @@ class Context:
         return self.rank == 0
 
 
-def setup(device: str = "auto") -> Context:
+def setup(device: str = "auto", timeout_s: float = 600.0) -> Context:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK; NCCL on CUDA, gloo on CPU),
-    or run as one process. An already initialised group (e.g. a test harness's) is used as it is."""
+    or run as one process. An already initialised group (e.g. a test harness's) is used as it is.
+
+    timeout_s: how long a collective waits for the other ranks before it fails, so that a rank that hung or
+    died ends the job instead of blocking the others indefinitely."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r}: allowed values are auto, cpu, cuda")
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
@@ -74,7 +62,8 @@ def setup(device: str = "auto") -> Context:
         torch.cuda.set_device(dev)
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return Context(dist.get_rank(), dist.get_world_size(), dev, owns_group=owns)
 
 
@@ -93,6 +82,61 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t
+
+
+def on_main(ctx: Context, fn: Callable[[], T]) -> T:
+    """Collective: fn() runs on rank 0 only and every rank gets its (picklable) result. If it raises, rank 0
+    raises that error and the other ranks raise one that quotes it, so no rank is left waiting for rank 0
+    in a later collective."""
+    if ctx.world_size == 1:
+        return fn()
+    box: list = [None]
+    error = None
+    if ctx.is_main:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:
+            error, box = e, [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption; torchrun forwards it to every rank) become a
+    request to stop at the end of the current step, which train.py turns into a checkpoint on every rank at
+    the same step. A second SIGINT quits at once without saving; a second SIGTERM changes nothing. Outside the
+    main thread signals cannot be caught, and nothing changes.
+    """
+
+    def __init__(self, announce: bool):
+        self.announce = announce
+        self.signal: int | None = None   # the first signal received
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signal = signum
+        if self.announce:  # os.write: print is not safe inside a signal handler
+            os.write(sys.stderr.fileno(), f"{signal.Signals(signum).name}: saving a checkpoint at the end of this "
+                                          f"step, then stopping (Ctrl-C again quits without saving)\n".encode())
 
 
 # ------------------------------------------------------------------------------------------- wrapping
@@ -176,112 +220,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """The global gradient norm before clipping (a plain tensor, also when FSDP's gradients are shards)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-# ---------------------------------------------------------------------------------------- checkpoints
-
-def checkpoint_paths(out_dir: str) -> list[str]:
-    """The checkpoints in out_dir (`ckpt_{step}.pt` files and sharded `ckpt_{step}/` directories), oldest
-    first. Unfinished saves (`*.tmp`) and consolidated copies (`*.full.pt`) are not listed."""
-    if not os.path.isdir(out_dir):
-        return []
-    found = []
-    for name in os.listdir(out_dir):
-        match = _CKPT_NAME.fullmatch(name)
-        path = os.path.join(out_dir, name)
-        if match and (os.path.isfile(path) if match.group(2) else os.path.isdir(path)):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    """Write to a temporary file, then rename: a crash mid-write never corrupts the previous checkpoint."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """A checkpoint file, or a sharded directory consolidated in memory (no process group needed)."""
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "meta.json")):
-            raise FileNotFoundError(f"{path} is not a finished sharded checkpoint (no meta.json)")
-        # As format_utils.dcp_to_torch_save does: the empty planner fills `state` with every stored tensor.
-        state: dict = {}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                             no_dist=True)
-        return {**state, **read_meta(path)}
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    return torch.load(path, map_location=map_location, weights_only=False)
-
-
-def read_meta(path: str) -> dict:
-    """Everything but the tensors: step, loader, model_config, train_config (cheap for sharded checkpoints)."""
-    if os.path.isdir(path):
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)
-    return {k: v for k, v in load_checkpoint(path).items() if k not in ("model", "optimizer")}
-
-
-def consolidate(directory: str, out_path: str | None = None) -> str:
-    """Write a sharded checkpoint directory as one `torch.save` file; returns its path."""
-    out_path = out_path or directory.rstrip("/") + ".full.pt"
-    save_checkpoint(out_path, load_checkpoint(directory))
-    return out_path
-
-
-def remove(path: str) -> None:
-    """Delete a checkpoint of either kind."""
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
-
-
-def save(ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer, path: str, meta: dict) -> None:
-    """Collective: every rank calls it. FSDP models write a sharded directory `path`, others `path + ".pt"`."""
-    if isinstance(model, FSDPModule):
-        tmp = path + ".tmp"
-        if ctx.is_main and os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left by a crashed save
-        barrier(ctx)
-        dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
-                 checkpoint_id=tmp)
-        if ctx.is_main:
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(meta, f)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-    else:
-        raw = unwrap(model)
-        state = {"model": get_model_state_dict(raw), "optimizer": get_optimizer_state_dict(raw, optimizer)}
-        if ctx.is_main:
-            save_checkpoint(path + ".pt", {**state, **meta})
-    barrier(ctx)
-
-
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Fill model and optimizer from either checkpoint kind, whatever the current world size: a sharded
-    directory is resharded by torch.distributed.checkpoint; a single file is loaded whole on every rank."""
-    raw = unwrap(model)
-    if isinstance(raw, FSDPModule) and os.path.isdir(path):
-        state = {"model": get_model_state_dict(raw), "optimizer": get_optimizer_state_dict(raw, optimizer)}
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(raw, state["model"])
-        set_optimizer_state_dict(raw, optimizer, state["optimizer"])
-        return
-    full = load_checkpoint(path)
-    options = StateDictOptions(full_state_dict=isinstance(raw, FSDPModule))
-    set_model_state_dict(raw, full["model"], options=options)
-    set_optimizer_state_dict(raw, optimizer, full["optimizer"], options=options)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4) or sys.argv[1] != "consolidate":
-        sys.exit("usage: python distributed.py consolidate CKPT_DIR [OUT.pt]")
-    print(consolidate(*sys.argv[2:]))

@@ -14,10 +14,8 @@ OUT_depth.png (max weight and normalised entropy by depth) and OUT_matrix.png (r
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -26,9 +24,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoint
+import cli
 import data
+import files
 import sample
 import train
+from tokenizer import get_tokenizer
 from model import Model, ModelConfig
 from router import depth_weights
 
@@ -48,10 +50,9 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.isfile(os.path.join(path, "config.json")) or os.path.isfile(os.path.join(path, "meta.json")):
         return path
     if os.path.isdir(path):
-        paths = train.checkpoint_paths(path)
-        if not paths:
+        if not checkpoint.checkpoint_paths(path):
             raise FileNotFoundError(f"{path} is a directory without checkpoints (ckpt_*.pt)")
-        return paths[-1]
+        return checkpoint.newest_intact(path)[0]
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path} (expected a ckpt_*.pt file, an out_dir or a Qwen3 folder)")
     return path
@@ -69,10 +70,7 @@ def load_model(path: str, device: torch.device | str = "cpu") -> tuple[Model, di
         model = finetune.load_hf_qwen3(path)
         ckpt = {"path": path, "hf_folder": path, "model_config": asdict(model.cfg), "train_config": {"seq_len": 2048}}
         return model.to(device).eval(), ckpt
-    try:
-        ckpt = train.load_checkpoint(path, map_location="cpu")
-    except Exception as e:  # torch.load raises many types (UnpicklingError, RuntimeError, EOFError, ...)
-        raise ValueError(f"{path} is not a checkpoint this project writes: torch.load failed ({e})") from e
+    ckpt = checkpoint.load_checkpoint(path)
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         found = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
@@ -100,9 +98,9 @@ def run_tokenizer(ckpt: dict, model: Model):
         path = os.path.join(ckpt["hf_folder"], "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found: copy Qwen3's tokenizer.json into {ckpt['hf_folder']}")
-        return data.get_tokenizer("qwen3", path, model.cfg.vocab_size)
+        return get_tokenizer("qwen3", path, model.cfg.vocab_size)
     meta = data.load_meta(run_data_dir(ckpt))
-    return data.get_tokenizer(meta["tokenizer"], meta.get("tokenizer_path"), model.cfg.vocab_size)
+    return get_tokenizer(meta["tokenizer"], meta.get("tokenizer_path"), model.cfg.vocab_size)
 
 
 def context_length(ckpt: dict) -> int:
@@ -417,13 +415,9 @@ def _save_results(ckpt_path: str, key: str, value: dict) -> str:
     """Merge {key: value} into the JSON next to the checkpoint."""
     is_folder = os.path.isdir(ckpt_path)
     path = os.path.join(ckpt_path, "eval.json") if is_folder else os.path.splitext(ckpt_path)[0] + ".eval.json"
-    results = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            results = json.load(f)
+    results = files.read_json(path) if os.path.exists(path) else {}
     results[key] = value
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2, default=str)
+    files.write_json(path, results, default=str)
     return path
 
 
@@ -432,7 +426,7 @@ def _label(path: str) -> str:
     return os.path.basename(os.path.abspath(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
 
 
-def main(argv: list[str]) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoints", nargs="+", help="checkpoint files or folders, out_dirs (newest checkpoint), Qwen3 folders")
     p.add_argument("--data", help="a shard directory or a text file (default: the run's held-out split)")
@@ -452,7 +446,11 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--top_k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> dict:
+    args = _parser().parse_args(argv)
     device = pick_device(args.device)
     report: dict = {}
     for path in args.checkpoints:
@@ -487,8 +485,7 @@ def main(argv: list[str]) -> dict:
             runs[_label(path) if _label(path) not in runs else os.path.relpath(path)] = entry["routing"]
         prefix = args.out or os.path.join(os.path.dirname(next(iter(report))), "routing")
         plots = plot_routing(runs, prefix)
-        with open(prefix + ".json", "w") as f:
-            json.dump(runs, f, indent=2)
+        files.write_json(prefix + ".json", runs)
         for label, run in runs.items():
             print(f"{label}: mean max weight {run['mean_max_weight']:.3f} | mean normalised entropy "
                   f"{run['mean_entropy']:.3f} | mean embedding weight {run['mean_embedding_weight']:.3f}")
@@ -497,4 +494,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main)

@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -31,11 +30,14 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+import checkpoint
+import cli
 import data
+import files
 import train
+from config import NON_NEGATIVE, TrainConfig, check_ranges, load_config
 from model import Model, ModelConfig
 from router import make_policy
-from train import TrainConfig
 
 
 @dataclass
@@ -46,6 +48,12 @@ class FinetuneConfig:
     text: str = "fineweb"            # "fineweb" (FineWeb-Edu, streamed) or a .txt / .jsonl file or a folder of them
     text_max_tokens: int = 0         # training tokens to prepare into TrainConfig.data; 0: the whole text
     text_val_docs: int = 1000        # the first documents form the validation split
+
+    def __post_init__(self):
+        check_ranges(self, {"router_lr_scale": NON_NEGATIVE,
+                            "text": (lambda v: v.strip() != "", "'fineweb', or a .txt / .jsonl file or folder"),
+                            "text_max_tokens": (lambda v: v >= 0, "0 (the whole text) or integers >= 1"),
+                            "text_val_docs": (lambda v: v >= 1, "integers >= 1")})
 
 
 # ModelConfig fields that come from config.json; the others (routing) are the user's to choose.
@@ -142,8 +150,7 @@ def _hf_name(name: str) -> str:
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+        return [os.path.join(path, name) for name in sorted(set(files.read_json(index)["weight_map"].values()))]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -162,8 +169,7 @@ def load_hf_qwen3(path: str, *, dtype: torch.dtype = torch.float32, **overrides)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path} not found: init_from must be a Hugging Face Qwen3 folder")
-    with open(config_path) as f:
-        cfg = model_config_from_hf(json.load(f), **overrides)
+    cfg = model_config_from_hf(files.read_json(config_path), **overrides)
     with torch.device("meta"):
         model = Model(cfg)
     # named_parameters lists a tied lm_head once, as embed_tokens.weight: a tied checkpoint may omit it.
@@ -208,10 +214,7 @@ def save_hf_qwen3(model: Model, path: str, source: str | None = None, max_shard_
     if cfg.residual != "baseline":
         raise ValueError(f"cannot save residual={cfg.residual!r} as a Hugging Face Qwen3: its routers and routed "
                          "forward pass do not exist there; only residual='baseline' models can be saved this way")
-    hf = {}
-    if source is not None:
-        with open(os.path.join(source, "config.json")) as f:
-            hf = json.load(f)
+    hf = files.read_json(os.path.join(source, "config.json")) if source is not None else {}
     for key in ("rope_parameters", "rope_scaling", "layer_types", "dtype", "torch_dtype"):
         hf.pop(key, None)
     state = {_hf_name(n): p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
@@ -231,18 +234,15 @@ def save_hf_qwen3(model: Model, path: str, source: str | None = None, max_shard_
         shards[-1][key] = tensor
         shard_bytes += size
         total += size
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        files.atomic_write(os.path.join(path, name), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(shard, name))
+    if len(shards) > 1:
+        files.write_json(os.path.join(path, "model.safetensors.index.json"),
+                         {"metadata": {"total_size": total}, "weight_map": weight_map})
+    files.write_json(os.path.join(path, "config.json"), hf)
     for name in TOKENIZER_FILES if source is not None else ():
         if os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
@@ -294,10 +294,7 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
         while not (os.path.isfile(stamp_path) and os.path.isfile(meta_path)):
             time.sleep(5)
     if os.path.isfile(meta_path):
-        found = "unknown settings"
-        if os.path.isfile(stamp_path):
-            with open(stamp_path) as f:
-                found = json.load(f)
+        found = files.read_json(stamp_path) if os.path.isfile(stamp_path) else "unknown settings"
         if found != stamp:
             raise ValueError(f"data={out_dir} holds shards prepared from {found}, not {stamp}: "
                              "choose another data= folder or delete it")
@@ -310,8 +307,7 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     if meta["train_tokens"] == 0 or meta["val_tokens"] == 0:
         raise ValueError(f"text={ft.text!r} gave {meta['n_val_docs']} validation and {meta['n_train_docs']} training "
                          f"documents (text_val_docs={ft.text_val_docs}): both splits need text")
-    with open(stamp_path, "w") as f:
-        json.dump(stamp, f)
+    files.write_json(stamp_path, stamp)
     return meta
 
 
@@ -348,15 +344,16 @@ def routing_off(model: Model):
 
 
 @torch.no_grad()
-def step0_check(model: Model, cfg: TrainConfig, device: torch.device) -> dict:
+def step0_check(model: Model, cfg: TrainConfig, device: torch.device, world_size: int = 1) -> dict:
     """Max |logit difference| between the converted and the pretrained model on the first validation batch,
-    and both validation losses (over the windows train.py validates on), before any training."""
+    and both validation losses (over the windows train.py validates on), before any training. Runs on one
+    process, in the micro-batches each of world_size ranks will use."""
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     model.to(device).eval()
     # the same windows train.py validates on: the first eval_batches x batch_size, in order
-    loader = data.ShardLoader(cfg.data, "val", cfg.micro_batch_size, cfg.seq_len, shuffle=False,
-                              step_batch=cfg.batch_size)
-    n_batches = cfg.eval_batches * (cfg.batch_size // cfg.micro_batch_size)
+    micro, grad_accum = train.batch_split(cfg, world_size)
+    loader = data.ShardLoader(cfg.data, "val", micro, cfg.seq_len, shuffle=False, step_batch=cfg.batch_size)
+    n_batches = cfg.eval_batches * grad_accum * world_size
     x = loader.next_batch()[0].to(device)                                      # (B, T)
     with autocast:
         converted = model(x)                                                   # (B, T, V)
@@ -389,7 +386,7 @@ def routing_overrides(model_cfg: ModelConfig) -> dict:
 def main(argv: list[str]) -> dict:
     if argv[:1] == ["export"]:
         return export(argv[1:])
-    model_cfg, cfg, ft = train.load_config(argv, classes=(ModelConfig, TrainConfig, FinetuneConfig))
+    model_cfg, cfg, ft = load_config(argv, classes=(ModelConfig, TrainConfig, FinetuneConfig))
     if not ft.init_from:
         raise ValueError("--init_from=PATH is required: a Hugging Face Qwen3 folder (config.json, safetensors, "
                          "tokenizer.json)")
@@ -408,7 +405,7 @@ def main(argv: list[str]) -> dict:
         use_cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
         # the GPU train() will use on this rank (distributed.setup's rule)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-        entry = step0_check(model, cfg, device)
+        entry = step0_check(model, cfg, device, int(os.environ.get("WORLD_SIZE", "1")))
         print(describe_step0(entry, model.cfg.residual))
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "log.jsonl"), "a") as f:
@@ -423,7 +420,7 @@ def export(argv: list[str]) -> dict:
     parser.add_argument("out_dir")
     parser.add_argument("--source", default=None, help="the Qwen3 folder fine-tuned from (config, tokenizer)")
     args = parser.parse_args(argv)
-    ckpt = train.load_checkpoint(args.checkpoint)
+    ckpt = checkpoint.load_checkpoint(args.checkpoint)
     model = Model(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     save_hf_qwen3(model, args.out_dir, source=args.source)
@@ -432,4 +429,4 @@ def export(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(lambda argv: train.exit_status(main(argv)))

@@ -52,6 +52,17 @@ class ModelConfig:
     kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
 
     def __post_init__(self):
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)!r}: allowed values are integers >= 1")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim!r}: allowed values are even integers >= 2 "
+                             "(RoPE rotates pairs of channels)")
+        if not 0 < self.rope_theta < math.inf:  # `not` catches NaN too
+            raise ValueError(f"rope_theta={self.rope_theta!r}: allowed values are finite numbers > 0")
+        for key in ("norm_eps", "init_std"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"{key}={getattr(self, key)!r}: allowed values are finite numbers >= 0")
         if self.residual not in METHODS:
             raise ValueError(f"residual={self.residual!r}: allowed values are {', '.join(METHODS)}")
         if self.kernel not in KERNELS:

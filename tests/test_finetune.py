@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
+import checkpoint
 import finetune
+from config import TrainConfig, load_config
 from finetune import FinetuneConfig, load_hf_qwen3, model_config_from_hf, save_hf_qwen3
 from model import Model, ModelConfig
-from train import TrainConfig, load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -214,7 +215,7 @@ def read_log(tmp_path):
 def step_changes(folder, tmp_path, **overrides):
     """{parameter name: |after one step - before|} from the run's checkpoint and a fresh conversion."""
     before = load_hf_qwen3(str(folder), **overrides).state_dict()
-    after = torch.load(tmp_path / "out" / "ckpt_0000001.pt", weights_only=False)["model"]
+    after = checkpoint.load_checkpoint(str(tmp_path / "out" / "ckpt_0000001.pt"))["model"]
     return {k: (after[k] - before[k]).abs() for k in before}
 
 
@@ -261,7 +262,7 @@ def test_baseline_finetune_exports_to_transformers(ckpts, corpus, tmp_path):
     finetune.main(run_args(folder, corpus, tmp_path))
     out = tmp_path / "hf"
     finetune.main(["export", str(tmp_path / "out" / "ckpt_0000001.pt"), str(out), f"--source={folder}"])
-    ckpt = torch.load(tmp_path / "out" / "ckpt_0000001.pt", weights_only=False)
+    ckpt = checkpoint.load_checkpoint(str(tmp_path / "out" / "ckpt_0000001.pt"))
     ours = Model(ModelConfig(**ckpt["model_config"]))
     ours.load_state_dict(ckpt["model"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -316,3 +317,13 @@ def test_paper_configs_fit_the_released_qwen3_0p6b(name):
     assert converted.residual == name
     if name == "delta_block":
         assert converted.null_source and cfg.lr * ft.router_lr_scale == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("arg, allowed", [("router_lr_scale=-1.0", "finite numbers >= 0"),
+                                          ("text_val_docs=0", "integers >= 1"),
+                                          ("text_max_tokens=-5", r"0 \(the whole text\) or integers >= 1"),
+                                          ("text=", "'fineweb', or a .txt / .jsonl file or folder")])
+def test_nonsense_finetune_values_name_key_value_and_allowed_values(arg, allowed):
+    key, value = arg.split("=")
+    with pytest.raises(ValueError, match=rf"^{key}={value or repr('')}: allowed values are {allowed}"):
+        load_config([f"--{arg}"], classes=(ModelConfig, TrainConfig, FinetuneConfig))

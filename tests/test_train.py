@@ -1,17 +1,30 @@
-"""train.py on the embedded corpus: config handling, initial loss, overfitting, exact resume, clear errors."""
+"""train.py on the embedded corpus: config handling, initial loss, overfitting, exact resume, clear errors,
+non-finite steps, Ctrl-C / SIGTERM, the out_dir lock."""
+import ast
 import json
 import math
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import checkpoint
+import cli
 import data
+import files
+import runlog
 import train
 from model import Model, ModelConfig
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--d_model=32", "--n_layers=2", "--n_blocks=2", "--n_heads=2", "--n_kv_heads=1", "--head_dim=16", "--d_ff=64",
          "--seq_len=32", "--batch_size=4", "--micro_batch_size=2", "--eval_batches=2", "--log_interval=1",
          "--eval_interval=1000", "--warmup_steps=2", "--lr=3e-3"]
@@ -72,7 +85,7 @@ def test_one_batch_overfits():
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     full = run(tmp_path / "a", "--max_steps=6", "--ckpt_interval=3")
-    assert [os.path.basename(p) for p in train.checkpoint_paths(tmp_path / "a")] == \
+    assert [os.path.basename(p) for p in checkpoint.checkpoint_paths(tmp_path / "a")] == \
         ["ckpt_0000003.pt", "ckpt_0000006.pt"]
     os.makedirs(tmp_path / "b")
     shutil.copy(tmp_path / "a" / "ckpt_0000003.pt", tmp_path / "b")  # as if the run died after step 3
@@ -91,7 +104,7 @@ def test_jsonl_log_and_checkpoint_contents(tmp_path):
     final = records[-1]
     assert final["final"] and final["val_loss"] == result["val_loss"]
     assert math.isclose(final["val_ppl"], math.exp(final["val_loss"]))
-    ckpt = train.load_checkpoint(train.checkpoint_paths(tmp_path)[-1])
+    ckpt = checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path)[-1])
     assert ckpt["step"] == 4 and ckpt["model_config"]["residual"] == "delta_block"
     assert ckpt["train_config"]["out_dir"] == str(tmp_path)
 
@@ -110,8 +123,8 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 def test_corrupt_shard_is_a_clear_error(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
-    data.write_shard(str(shards / "train_000000.bin"), np.arange(1000) % 257, 257)
-    data.write_shard(str(shards / "val_000000.bin"), np.arange(500) % 257, 257)
+    data.write_shard(str(shards / "train_000000.bin"), np.arange(1000) % 257, 257, "byte")
+    data.write_shard(str(shards / "val_000000.bin"), np.arange(500) % 257, 257, "byte")
     (shards / "meta.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257}))
     with open(shards / "train_000000.bin", "r+b") as f:
         f.truncate(600)
@@ -131,11 +144,16 @@ def test_time_budget_stops_early(tmp_path):
 
 def test_global_batch_must_divide_over_ranks_and_micro_batches():
     cfg = train.TrainConfig(batch_size=8, micro_batch_size=2)
-    assert [train.check_config(cfg, world) for world in (1, 2, 4)] == [4, 2, 1]
+    assert [train.batch_split(cfg, world) for world in (1, 2, 4)] == [(2, 4), (2, 2), (2, 1)]
     with pytest.raises(ValueError, match="batch_size=8 is not a multiple of micro_batch_size=2 x world_size=3 = 6"):
-        train.check_config(cfg, 3)
-    with pytest.raises(ValueError, match="parallel='zero': allowed values are ddp, fsdp"):
-        train.check_config(train.TrainConfig(parallel="zero"), 1)
+        train.batch_split(cfg, 3)
+
+
+def test_micro_batch_left_out_is_the_batch_over_the_world_size():
+    cfg = train.TrainConfig(batch_size=8)
+    assert [train.batch_split(cfg, world) for world in (1, 2, 8)] == [(8, 1), (4, 1), (1, 1)]
+    with pytest.raises(ValueError, match="batch_size=8 does not split over 3 processes"):
+        train.batch_split(cfg, 3)
 
 
 def test_fsdp_on_one_process_is_an_error(tmp_path):
@@ -153,25 +171,143 @@ def test_wandb_not_installed_is_a_clear_error(tmp_path):
         run(tmp_path, "--wandb", "--max_steps=1")
 
 
-def test_nan_loss_stops_keeps_the_last_good_checkpoint_and_names_the_step(tmp_path, monkeypatch):
+class NaNGradient(torch.autograd.Function):
+    """The identity, with a NaN gradient: a finite loss whose gradient norm is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def poison(monkeypatch, steps: set[int], how) -> None:
+    """Apply `how` to the loss of the training steps in `steps` (1-based; SMALL has 2 micro-batches per step)."""
     calls = []
     loss_fn = train.loss_fn
 
-    def poisoned(model, x, y):  # two micro-batches per step: calls 5 and 6 are step 3
+    def poisoned(model, x, y):
         calls.append(1)
         loss = loss_fn(model, x, y)
-        return loss * float("nan") if len(calls) >= 5 else loss
+        return how(loss) if (len(calls) + 1) // 2 in steps else loss
     monkeypatch.setattr(train, "loss_fn", poisoned)
-    with pytest.raises(FloatingPointError, match=r"loss is nan at step 3; .*ckpt_0000002\.pt"):
-        run(tmp_path, "--max_steps=5", "--ckpt_interval=2")
-    assert [os.path.basename(p) for p in train.checkpoint_paths(tmp_path)] == ["ckpt_0000002.pt"]
-    assert train.load_checkpoint(train.checkpoint_paths(tmp_path)[-1])["step"] == 2
+
+
+def all_finite(path) -> bool:
+    state = checkpoint.load_checkpoint(path)
+    tensors = list(state["model"].values()) + [t for s in state["optimizer"]["state"].values() for t in s.values()]
+    return all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_nan_gradient_with_finite_loss_is_skipped_and_never_saved(tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(3, 100)), NaNGradient.apply)
+    with pytest.raises(FloatingPointError, match=r"3 steps in a row, up to step 5, had a non-finite loss or gradient "
+                                                 r"norm .* The newest finite checkpoint is .*ckpt_0000002\.pt"):
+        run(tmp_path, "--max_steps=10", "--ckpt_interval=1", "--keep_checkpoints=5")
+    paths = checkpoint.checkpoint_paths(tmp_path)
+    assert [os.path.basename(p) for p in paths] == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
+    assert all(all_finite(p) for p in paths)
+    skipped = [json.loads(line) for line in open(tmp_path / "log.jsonl") if '"skipped"' in line]
+    assert [r["step"] for r in skipped] == [3, 4, 5] and math.isnan(skipped[0]["grad_norm"])
+
+
+def test_a_lone_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+    poison(monkeypatch, {3}, lambda loss: loss * float("nan"))
+    result = run(tmp_path, "--max_steps=5")
+    assert result["step"] == 5 and result["skipped_steps"] == 1 and math.isnan(result["losses"][2])
+    assert all(math.isfinite(loss) for i, loss in enumerate(result["losses"]) if i != 2)
+    assert all_finite(checkpoint.checkpoint_paths(tmp_path)[-1])
+    steps = [json.loads(line) for line in open(tmp_path / "log.jsonl") if '"tok_per_s"' in line]
+    assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("arg, allowed", [
+    ("batch_size=0", "integers >= 1"), ("d_model=0", "integers >= 1"), ("n_heads=0", "integers >= 1"),
+    ("max_steps=-1", "integers >= 0"), ("ckpt_interval=-1", r"0 \(off\) or integers >= 1"),
+    ("n_kv_heads=0", "integers >= 1"), ("seq_len=0", "integers >= 1"), ("eval_interval=0", "integers >= 1"),
+    ("log_interval=0", "integers >= 1"), ("head_dim=15", "even integers >= 2"), ("n_blocks=0", "1..n_layers=8"),
+    ("micro_batch_size=-2", r"0 \(batch_size / world size\) or integers >= 1"),
+    ("lr=-0.1", "finite numbers > 0"), ("lr=1e999", "finite numbers > 0"), ("beta2=1.0", r"numbers in \[0, 1\)"),
+    ("grad_clip=-1.0", "finite numbers >= 0"), ("keep_checkpoints=0", "integers >= 1"),
+    ("device=tpu", "auto, cpu, cuda"), ("min_lr_ratio=2.0", "numbers in"), ("eval_batches=0", "integers >= 1"),
+    ("ckpt_minutes=-1.0", "finite numbers >= 0"), ("norm_eps=-1.0", "finite numbers >= 0"),
+    ("max_bad_steps=0", "integers >= 1"), ("dist_timeout_s=0.0", "finite numbers > 0"), ("out_dir=", "non-empty"),
+])
+def test_nonsense_config_values_name_key_value_and_allowed_values(arg, allowed):
+    key, value = arg.split("=")
+    shown = repr(value if key in ("device", "out_dir") else ast.literal_eval(value))  # as the config holds it
+    with pytest.raises(ValueError, match=f"^{key}={re.escape(shown)}: allowed values are {allowed}"):
+        train.load_config(["configs/tiny_delta_block.py", f"--{arg}"])
+
+
+def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
+    proc = subprocess.run([sys.executable, "train.py", "configs/tiny_delta_block.py", "--eval_interval=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == "train.py: error: eval_interval=0: allowed values are integers >= 1\n"
+    with pytest.raises(KeyError) as user:
+        train.load_config(["--n_blcks=2"])
+    with pytest.raises(RuntimeError) as bug:
+        torch.zeros(2) @ torch.zeros(3)
+    assert cli.is_user_error(user.value) and not cli.is_user_error(bug.value)
+
+
+def test_sigterm_during_training_leaves_a_resumable_checkpoint(tmp_path):
+    out, constant_lr = tmp_path / "run", ["--warmup_steps=0", "--min_lr_ratio=1.0"]  # max_steps changes no step
+    proc = subprocess.Popen([sys.executable, "train.py", "configs/tiny_delta_block.py", *SMALL, *constant_lr,
+                             f"--out_dir={out}", "--max_steps=100000"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while not (out / "log.jsonl").exists() or '"loss"' not in (out / "log.jsonl").read_text():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    [path] = checkpoint.checkpoint_paths(out)
+    step = checkpoint.read_meta(path)["step"]
+    assert f"stopped by SIGTERM: saved {path}" in stdout
+    resumed = run(out, *constant_lr, "--resume", f"--max_steps={step + 2}")
+    full = run(tmp_path / "full", *constant_lr, f"--max_steps={step + 2}")
+    assert resumed["step"] == step + 2 and resumed["losses"] == full["losses"][step:]
+
+
+def test_checkpoints_every_ckpt_minutes(tmp_path, monkeypatch):
+    clock = iter(range(0, 10 ** 6, 100))  # every reading of the clock is 100 s after the previous one
+    monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    run(tmp_path, "--max_steps=3", "--ckpt_minutes=1", "--keep_checkpoints=5")
+    assert [os.path.basename(p) for p in checkpoint.checkpoint_paths(tmp_path)] == \
+        ["ckpt_0000001.pt", "ckpt_0000002.pt", "ckpt_0000003.pt"]
+
+
+def test_out_dir_is_locked_by_the_run_that_owns_it(tmp_path):
+    with files.locked(str(tmp_path / "run.lock"), wait=False, holder_of="a test"):
+        with pytest.raises(FileExistsError, match=rf"out_dir {tmp_path} is in use by process {os.getpid()}"):
+            run(tmp_path, "--max_steps=1")
+    assert run(tmp_path, "--max_steps=1")["step"] == 1  # the lock goes with the process that held it
+
+
+def test_resume_on_another_tokenizers_data_is_an_error(tmp_path):
+    shards = tmp_path / "shards"
+
+    def write(tokenizer):
+        shards.mkdir(exist_ok=True)
+        for split, n in (("train", 2000), ("val", 500)):
+            data.write_shard(str(shards / f"{split}_000000.bin"), np.arange(n) % 257, 257, tokenizer)
+        (shards / "meta.json").write_text(json.dumps({"tokenizer": tokenizer, "vocab_size": 257}))
+    write("byte")
+    run(tmp_path / "out", f"--data={shards}", "--max_steps=1")
+    write("another-bpe")  # the same vocabulary size, other tokens
+    with pytest.raises(ValueError, match="--resume: the checkpoint was trained on .*'byte'.* holds .*'another-bpe'"):
+        run(tmp_path / "out", f"--data={shards}", "--max_steps=2", "--resume")
 
 
 def test_flops_per_token_counts_every_matmul_weight():
     cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, residual="delta")
     weights = sum(p.numel() for p in Model(cfg).parameters() if p.dim() == 2)  # the tied embedding is the head
-    assert train.flops_per_token(cfg, 128) == 6 * weights + 12 * 3 * 4 * 16 * 128
+    assert runlog.flops_per_token(cfg, 128) == 6 * weights + 12 * 3 * 4 * 16 * 128
 
 
 def test_a_fresh_run_refuses_another_runs_checkpoints(tmp_path):
@@ -182,7 +318,7 @@ def test_a_fresh_run_refuses_another_runs_checkpoints(tmp_path):
 
 def test_resuming_a_finished_run_writes_nothing_new(tmp_path):
     run(tmp_path, "--max_steps=2")
-    before = os.path.getmtime(train.checkpoint_paths(tmp_path)[-1])
+    before = os.path.getmtime(checkpoint.checkpoint_paths(tmp_path)[-1])
     result = run(tmp_path, "--max_steps=2", "--resume")
     assert result["step"] == 2 and result["losses"] == []
-    assert os.path.getmtime(train.checkpoint_paths(tmp_path)[-1]) == before
+    assert os.path.getmtime(checkpoint.checkpoint_paths(tmp_path)[-1]) == before

@@ -1,0 +1,152 @@
+"""Run configs: TrainConfig, and loading a config file with `--key=value` overrides into the config dataclasses.
+
+A config file is plain Python that assigns fields of ModelConfig (model.py), TrainConfig (below) or, for
+finetune.py, FinetuneConfig; every other field keeps its default. Config files are code: running one runs
+whatever it contains, so run only config files you trust. `--key=value` overrides are type-checked, and an
+unknown key is an error (with a suggestion). Each dataclass checks every field against its allowed values
+when it is made (TrainConfig.__post_init__ and check_ranges below; ModelConfig's in model.py), so a nonsense
+value fails with its name, its value and what is allowed before anything is built.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import math
+import os
+import runpy
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from distributed import PARALLEL
+from model import ModelConfig
+
+
+@dataclass
+class TrainConfig:
+    data: str = "shakespeare"       # "shakespeare" (embedded corpus, prepared on first use) or a shard directory
+    out_dir: str = "out/run"
+    seed: int = 0
+    batch_size: int = 16            # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 0       # sequences per forward on one rank; 0: batch_size / world size
+    seq_len: int = 128
+    max_steps: int = 1000
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1       # on matrices only (embedding included), never on norms or routers
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0          # 0 disables clipping
+    eval_interval: int = 200
+    eval_batches: int = 20          # validation batches of batch_size sequences: the same windows every time
+    log_interval: int = 20
+    ckpt_interval: int = 0          # also save every this many steps (0: off)
+    ckpt_minutes: float = 30.0      # save when this much time has passed since the last save (0: off)
+    keep_checkpoints: int = 2       # keep the newest K checkpoints in out_dir
+    max_bad_steps: int = 3          # stop after this many steps in a row with a non-finite loss or gradient
+    time_budget_s: float = 0.0      # > 0: stop at this wall-clock budget (all ranks at the same step), then evaluate
+    device: str = "auto"            # "auto" | "cpu" | "cuda"
+    dist_timeout_s: float = 600.0   # under torchrun: a rank waiting this long for the others ends the run
+    resume: bool = False            # continue from the newest intact checkpoint in out_dir
+    parallel: str = "ddp"           # "ddp" (replicas) | "fsdp" (FSDP2, sharded checkpoints); one process: plain
+    compile: bool = False           # torch.compile each sublayer (distributed.compile_sublayers)
+    activation_checkpointing: bool = False  # recompute each sublayer in backward
+    peak_flops: float = 989e12      # per device, for MFU: H100 SXM dense bf16
+    wandb: bool = False             # also log to Weights & Biases (needs `pip install wandb`)
+    wandb_project: str = "delta-attnres"
+
+    def __post_init__(self):
+        check_ranges(self, TRAIN_RANGES)
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+Range = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words)
+AT_LEAST_0: Range = (lambda v: v >= 0, "integers >= 0")
+AT_LEAST_1: Range = (lambda v: v >= 1, "integers >= 1")
+POSITIVE: Range = (lambda v: 0 < v < math.inf, "finite numbers > 0")
+NON_NEGATIVE: Range = (lambda v: 0 <= v < math.inf, "finite numbers >= 0")
+NAME: Range = (lambda v: v.strip() != "", "non-empty strings")
+TRAIN_RANGES: dict[str, Range] = {
+    "data": (NAME[0], "'shakespeare' or a shard directory"), "out_dir": NAME, "wandb_project": NAME,
+    "seed": AT_LEAST_0, "batch_size": AT_LEAST_1, "seq_len": AT_LEAST_1, "max_steps": AT_LEAST_0,
+    "micro_batch_size": (AT_LEAST_0[0], "0 (batch_size / world size) or integers >= 1"),
+    "warmup_steps": AT_LEAST_0, "eval_interval": AT_LEAST_1, "eval_batches": AT_LEAST_1,
+    "log_interval": AT_LEAST_1, "ckpt_interval": (AT_LEAST_0[0], "0 (off) or integers >= 1"),
+    "keep_checkpoints": (AT_LEAST_1[0], "integers >= 1 (--resume needs a checkpoint)"),
+    "max_bad_steps": AT_LEAST_1, "lr": POSITIVE, "peak_flops": POSITIVE, "dist_timeout_s": POSITIVE,
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "numbers in [0, 1]"), "weight_decay": NON_NEGATIVE,
+    "beta1": (lambda v: 0 <= v < 1, "numbers in [0, 1)"), "beta2": (lambda v: 0 <= v < 1, "numbers in [0, 1)"),
+    "grad_clip": (NON_NEGATIVE[0], "finite numbers >= 0 (0: no clipping)"),
+    "ckpt_minutes": (NON_NEGATIVE[0], "finite numbers >= 0 (0: off)"),
+    "time_budget_s": (NON_NEGATIVE[0], "finite numbers >= 0 (0: no budget)"),
+    "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
+    "parallel": (lambda v: v in PARALLEL, ", ".join(PARALLEL)),
+}
+
+
+def check_ranges(cfg, ranges: dict[str, Range]) -> None:
+    """The one validation of a config dataclass: every field in `ranges` against its allowed values."""
+    for key, (allowed, words) in ranges.items():
+        value = getattr(cfg, key)
+        if not allowed(value):
+            raise ValueError(f"{key}={value!r}: allowed values are {words}")
+
+
+def _parse_value(key: str, text: str, typ: type):
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", ""):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"--{key}={text}: expected a bool (true/false)")
+    if typ is str:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--{key}={text}: expected {typ.__name__}") from None
+    return value
+
+
+def _check_type(key: str, value, typ: type):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise TypeError(f"config key {key!r} = {value!r}: expected {typ.__name__}, got {type(value).__name__}")
+    return value
+
+
+def load_config(argv: list[str], classes: tuple = (ModelConfig, TrainConfig)) -> tuple:
+    """argv: [CONFIG.py] [--key=value ...] -> one instance per dataclass in `classes`, each field type-checked;
+    a key that belongs to none of them is an error."""
+    owner = {f.name: cls for cls in classes for f in fields(cls)}
+    names = {"int": int, "float": float, "bool": bool, "str": str}
+    types = {f.name: names.get(f.type, f.type) for cls in classes for f in fields(cls)}
+    values: dict[str, object] = {}
+    args = list(argv)
+    if args and not args[0].startswith("--"):
+        path = args.pop(0)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        namespace = runpy.run_path(path)
+        values.update({k: v for k, v in namespace.items()
+                       if not k.startswith("_") and not callable(v) and not isinstance(v, type(os))})
+    for arg in args:
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}: use --key=value")
+        key, _, text = arg[2:].partition("=")
+        if key not in types:
+            raise _unknown(key, types)
+        values[key] = _parse_value(key, text, types[key])
+    for key in values:
+        if key not in types:
+            raise _unknown(key, types)
+    values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
+    return tuple(cls(**{k: v for k, v in values.items() if owner[k] is cls}) for cls in classes)
+
+
+def _unknown(key: str, types: dict) -> KeyError:
+    close = difflib.get_close_matches(key, types, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return KeyError(f"unknown config key {key!r}{hint}")
