@@ -155,7 +155,7 @@ def bench_model(config: str, steps: int, layers: int | None, compile: bool) -> d
     """Tokens/s and peak memory of `steps` training steps of configs/<config>.py on random tokens."""
     import distributed
     from model import Model
-    from train import load_config
+    from config import load_config
     overrides = [f"--n_layers={layers}", f"--n_blocks={min(8, layers)}"] if layers else []
     model_cfg, cfg = load_config([os.path.join(ROOT, "configs", f"{config}.py"), *overrides])
     torch.manual_seed(0)

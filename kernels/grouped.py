@@ -41,10 +41,9 @@ from kernels.depth_route import (DTYPES, SourceTable, _diff_source, _folded_quer
 
 
 @triton.jit
-def _accumulate(ptr, ds, offs, mask, ACCUMULATE: tl.constexpr):
-    """Write ds into a gradient accumulator, or add it to what is there."""
-    if ACCUMULATE:
-        ds += tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _accumulate(ptr, ds, offs, mask, accumulate):
+    """Write ds into a gradient accumulator (accumulate == 0), or add it to what is there."""
+    ds += tl.load(ptr + offs, mask=mask & (accumulate != 0), other=0.0).to(tl.float32)
     tl.store(ptr + offs, ds.to(ptr.dtype.element_ty), mask=mask)
 
 
@@ -106,10 +105,10 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
     tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
 def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, acc_a_ptr, acc_b_ptr,
-               off_a, off_b, du_ptr, tiles, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, ACCUMULATE: tl.constexpr, R_BLOCK: tl.constexpr,
+               off_a, off_b, du_ptr, tiles, accumulate, M, d, eps,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr,
                BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """The committed sources' gradients for receivers r0 + [0, R_BLOCK): source i's summed over them goes to
     accumulator off_a + i of acc_a (a slot = slab elements) or off_b + i - n_a of acc_b. Each program takes
@@ -133,24 +132,22 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
                 s = _table_source(table, i, A_DTYPE, offs, mask)
                 ds, du_i = _committed_grad(s, U, go, D, lse, d, eps)
                 du += du_i
-                _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, ACCUMULATE)
+                _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
                 s = _table_source(table, i, B_DTYPE, offs, mask)
                 ds, du_i = _committed_grad(s, U, go, D, lse, d, eps)
                 du += du_i
-                _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, ACCUMULATE)
+                _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
     tl.store(du_ptr + pid.to(tl.int64) * R_BLOCK * BLOCK_D + tl.arange(0, R_BLOCK)[:, None] * BLOCK_D + cols[None, :],
              du)
 
 
 @triton.jit
-def _mix(h, r, gate, ADD: tl.constexpr, HAS_GATE: tl.constexpr, X_DTYPE: tl.constexpr):
-    """x = h + gate r, h + r (additive, Eq. 2) or r (replacement), rounded to the dtype the reference mixes in."""
+def _mix(h, r, gate, ADD: tl.constexpr, X_DTYPE: tl.constexpr):
+    """x = h + gate r (additive, Eq. 2; gate 1.0 without a gate: exactly h + r) or r (replacement), rounded to
+    the dtype the reference mixes in."""
     if ADD:
-        if HAS_GATE:
-            x = h + gate * r
-        else:
-            x = h + r
+        x = h + gate * r
     else:
         x = r
     return x.to(X_DTYPE).to(tl.float32)
@@ -171,12 +168,12 @@ def _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, 
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "null"])
 def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  w_ptr, y_ptr, lse_ptr, M, d, eps, norm_eps,
+                  w_ptr, y_ptr, lse_ptr, null, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, HAS_NULL: tl.constexpr, ADD: tl.constexpr,
-                  HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ null], mixed
     and normalised: y = RMSNorm_w(x) written to y_ptr, the full lse to lse_ptr + slot M."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -199,7 +196,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     if HAS_DIFF:                          # the partial block h - base
         p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m, l, acc = _softmax_step(m, l, acc, p, _logit(p, u, d, eps)[0])
-    if HAS_NULL:                          # logit 0, value 0: only the normaliser changes
+    if null != 0:                         # logit 0, value 0: only the normaliser changes
         m_new = tl.maximum(m, 0.0)
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.exp(-m_new)
@@ -207,22 +204,20 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         m = m_new
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
-    gate = 1.0
-    if HAS_GATE:
-        gate = tl.load(gate_ptr).to(tl.float32)
-    x = _mix(h, r, gate, ADD, HAS_GATE, X_DTYPE)
+    gate = tl.load(gate_ptr).to(tl.float32)
+    x = _mix(h, r, gate, ADD, X_DTYPE)
     xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "off_a", "off_b", "tiles"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "off_a", "off_b", "tiles", "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
                   w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, go_ptr, D_ptr,
-                  du_ptr, dw_ptr, dgate_ptr, tiles, M, d, eps, norm_eps,
+                  du_ptr, dw_ptr, dgate_ptr, tiles, accumulate, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, HAS_GATE: tl.constexpr,
-                  ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's), -dL/d(partial) at dbase_ptr, the table sources' gradients into their accumulators, go = dL/dr
     and D = go . r for phase 1's backward, and per-program partial sums of du, dw (norm weight) and dgate."""
@@ -230,9 +225,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     cols = tl.arange(0, BLOCK_D)
     u = _folded_query(q_ptr, g_ptr, cols, d)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    gate = 1.0
-    if HAS_GATE:
-        gate = tl.load(gate_ptr).to(tl.float32)
+    gate = tl.load(gate_ptr).to(tl.float32)
     du = tl.zeros((BLOCK_D,), tl.float32)
     dw = tl.zeros((BLOCK_D,), tl.float32)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
@@ -261,7 +254,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             r += tl.exp(_logit(p, u, d, eps)[0] - lse)[:, None] * p
         r_mixed = r.to(R_DTYPE).to(tl.float32)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
-        x = _mix(h, r_mixed, gate, ADD, HAS_GATE, X_DTYPE)
+        x = _mix(h, r_mixed, gate, ADD, X_DTYPE)
         rstd_x = tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)
         xn = x * rstd_x[:, None]
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -276,16 +269,6 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             dh = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
             dr = dx
         D = tl.sum(dr * r, axis=1)
-        for i in tl.range(0, n_a, num_stages=STAGES):
-            s = _table_source(table, i, A_DTYPE, offs, mask)
-            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * s, axis=0)
-            _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, ACCUMULATE)
-        for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = _table_source(table, i, B_DTYPE, offs, mask)
-            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * s, axis=0)
-            _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, ACCUMULATE)
         if HAS_DIFF:                      # d(h - base): + to h, - to base
             dp, de_rstd = _source_grad(p, dr, u, lse, D, d, eps)
             du += tl.sum(de_rstd[:, None] * p, axis=0)
@@ -296,10 +279,19 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         if HAS_STATE:                     # for phase 1's backward
             tl.store(go_ptr + slot.to(tl.int64) * slab + offs, dr.to(go_ptr.dtype.element_ty), mask=mask)
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
+        for i in tl.range(0, n_a, num_stages=STAGES):
+            s = _table_source(table, i, A_DTYPE, offs, mask)
+            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
+            du += tl.sum(de_rstd[:, None] * s, axis=0)
+            _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
+        for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+            s = _table_source(table, i, B_DTYPE, offs, mask)
+            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
+            du += tl.sum(de_rstd[:, None] * s, axis=0)
+            _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
     tl.store(du_ptr + pid * BLOCK_D + cols, du)
     tl.store(dw_ptr + pid * BLOCK_D + cols, dw)
-    if HAS_GATE:
-        tl.store(dgate_ptr + pid, tl.sum(dgate, axis=0))
+    tl.store(dgate_ptr + pid, tl.sum(dgate, axis=0))
 
 
 # ------------------------------------------------------------------------------------------ launching
@@ -322,24 +314,36 @@ def slot_view(buffer: Tensor, i: int, like: Tensor) -> Tensor:
     return buffer[i, :like.numel()].view(like.shape)
 
 
-def _group_config(d: int) -> dict:
-    """Phase 1 keeps R_BLOCK receivers' running sums (and, backward, their du, go and queries) for one token row
-    in registers: 16 warps spread a row over 512 threads; the loop keeps several rows of sources in flight."""
+# Programs per SM each kernel is built for (kernels/aot.py checks registers against it). The forward reads
+# keep two programs per SM. Phase 1 holds every receiver's running sum of a row (forward) or its go, query and
+# du (backward), and a receiver's backward holds a row's r, x, dy, dr and h: one program per SM, whose software
+# pipeline keeps the next rows of sources in flight.
+PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1, "_receiver_fwd": 2, "_receiver_bwd": 1}
+
+
+def _group_config(d: int, backward: bool) -> dict:
+    """Phase 1 keeps R_BLOCK receivers' rows (running sums; backward: go, folded queries and du) of one token
+    row in registers; more receivers than R_BLOCK read the sources again (forward) or in further launches."""
     block_d = triton.next_power_of_2(d)
     if _interpreting():
         return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4)
+    if backward:
+        return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=2, num_warps=8)
     return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=4, num_warps=16)
 
 
 def _receiver_config(M: int, d: int, backward: bool) -> dict:
-    """As kernels.depth_route._config; the backward holds more tiles per row (r, x, dy, dr, h), so one row of
-    8 warps per program at d > 1024."""
+    """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile in the
+    forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
+    loops pipelined (the forward's three stages deep below d = 4096, else two)."""
     block_d = triton.next_power_of_2(d)
     if _interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
-    warps = 4 if block_d <= 1024 else 8
-    block_m = max(1, min(16, (8 if backward else 16) * 32 * warps // block_d))
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward else 3, num_warps=warps)
+    wide = block_d > 2048
+    warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
+    per_thread = 8 if backward or wide else 16
+    block_m = max(1, min(16, per_thread * 32 * warps // block_d))
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward or wide else 3, num_warps=warps)
 
 
 def _tiles(n_tiles: int) -> tuple[int, int]:
@@ -357,7 +361,7 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
     """Phase 1 for the n_recv = len(queries) receivers of a group: state[r] = r_C (a slot), lse_c[r] (M,)."""
     first = table.tensors[0]
     M, d = first.numel() // first.shape[-1], first.shape[-1]
-    cfg = _group_config(d)
+    cfg = _group_config(d, backward=False)
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     for r0 in range(0, n_recv, block):        # receivers beyond R_BLOCK: the sources are read again
         chunk = min(block, n_recv - r0)
@@ -374,7 +378,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     see GradBank.pointers), written or added to; returns du (n_recv, d) fp32, the committed part."""
     first = table.tensors[0]
     M, d = first.numel() // first.shape[-1], first.shape[-1]
-    cfg = _group_config(d)
+    cfg = _group_config(d, backward=True)
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     programs, tiles = _tiles(M)
     du = torch.empty(triton.cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32,
@@ -389,8 +393,20 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                 first.device, table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0,
                 n_recv=n_recv, go_ptr=go, D_ptr=D, lse_ptr=lse, slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b,
                 off_a=off_a, off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps,
-                ACCUMULATE=accumulate or c > 0, **_dtypes(table), **cfg)
+                accumulate=int(accumulate or c > 0), **_dtypes(table), **cfg)
     return du.sum(1).flatten(0, 1)[:n_recv, :d]
+
+
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def _gate(gate: Tensor | None, like: Tensor) -> Tensor:
+    """The gate, or a 1.0 (x = h + 1.0 r is exactly h + r) made once per device."""
+    if gate is not None:
+        return gate
+    if like.device not in _ONES:
+        _ONES[like.device] = torch.ones(1, dtype=torch.float32, device=like.device)
+    return _ONES[like.device]
 
 
 def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
@@ -416,9 +432,9 @@ def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Ten
     _launch(_receiver_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads, [y, lse[slot]], h.device,
             **_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot,
             slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=gate if gate is not None else query, w_ptr=weight, y_ptr=y, lse_ptr=lse, M=M, d=d, eps=eps,
+            gate_ptr=_gate(gate, h), w_ptr=weight, y_ptr=y, lse_ptr=lse, null=int(null), M=M, d=d, eps=eps,
             norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None,
-            HAS_DIFF=base is not None, HAS_NULL=null, ADD=add, HAS_GATE=gate is not None, **cfg)
+            HAS_DIFF=base is not None, ADD=add, **cfg)
     return y
 
 
@@ -451,12 +467,11 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
     _launch(_receiver_bwd, programs, reads, writes, h.device, **_receiver_args(table, h),
             state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot, slab=slab_of(h), h_ptr=h,
             base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=gate if gate is not None else query, w_ptr=weight, dy_ptr=dy, lse_ptr=lse, acc_a_ptr=acc_a,
+            gate_ptr=_gate(gate, h), w_ptr=weight, dy_ptr=dy, lse_ptr=lse, acc_a_ptr=acc_a,
             acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
             dbase_ptr=dbase if dbase is not None else h, go_ptr=go if go is not None else h,
-            D_ptr=D if D is not None else lse, du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles, M=M, d=d,
-            eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype],
-            HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add, HAS_GATE=gate is not None,
-            ACCUMULATE=accumulate, **cfg)
+            D_ptr=D if D is not None else lse, du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
+            accumulate=int(accumulate), M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype],
+            X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add, **cfg)
     return {"dh": dh, "du": du.sum(0)[:d], "dweight": dweight.sum(0)[:d],
             "dgate": dgate.sum() if gate is not None else None}

@@ -145,6 +145,7 @@ class GroupRead(torch.autograd.Function):
         group.lse = torch.empty_like(group.lse_c)
         group_forward(group.table, queries, norm_weights, group.eps, group.state, group.lse_c)
         ctx.params = (queries, norm_weights)
+        ctx.save_for_backward(group.state, group.lse_c, group.lse)   # what the group keeps until its backward
         return group.state
 
     @staticmethod

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from kernels.depth_route import Launch, SourceTable, observe_launches
 from model import Model, ModelConfig, RMSNorm
+from runlog import flops_per_token
 
 SHAPE_1044M = dict(vocab_size=151936, d_model=1280, n_layers=36, n_heads=20, n_kv_heads=4, head_dim=64,
                    d_ff=5120, n_blocks=8)
@@ -186,11 +187,10 @@ def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, devi
 
 
 def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], top: int = 6) -> str:
-    from train import flops_per_token
     fpt = flops_per_token(cfg, tokens[1])
     lines = [f"routing traffic of one training step: {cfg.n_layers} layers, d = {cfg.d_model}, {cfg.n_blocks} blocks, "
              f"{tokens[0]} x {tokens[1]} tokens, fp32 stream + bf16 sublayer outputs (autocast)",
-             f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (train.flops_per_token) at MFU {MFU:.0%}; "
+             f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (runlog.flops_per_token) at MFU {MFU:.0%}; "
              f"routing at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth, not overlapped; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
              f"{'method':<14}{'MB/token':>10}{'forward':>10}{'backward':>10}"
@@ -218,7 +218,6 @@ def main() -> None:
     results = measure(kernel=args.kernel)
     print(report(results, cfg, TOKENS_1044M))
     if args.json:
-        from train import flops_per_token
         fpt = flops_per_token(cfg, TOKENS_1044M[1])
         for r in results.values():
             r["predicted_ratio"] = {k: predicted_ratio(r["bytes_per_token"], fpt, k) for k in DEVICES}
