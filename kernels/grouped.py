@@ -168,9 +168,9 @@ def _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, 
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "null"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "null"])
 def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  w_ptr, y_ptr, lse_ptr, null, M, d, eps, norm_eps,
+                  has_gate, w_ptr, y_ptr, lse_ptr, null, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
@@ -204,28 +204,31 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         m = m_new
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
-    gate = tl.load(gate_ptr).to(tl.float32)
+    gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
     x = _mix(h, r, gate, ADD, X_DTYPE)
     xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "off_a", "off_b", "tiles", "accumulate"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dsum_lo", "dsum_hi", "tiles",
+                             "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, go_ptr, D_ptr,
-                  du_ptr, dw_ptr, dgate_ptr, tiles, accumulate, M, d, eps, norm_eps,
+                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, go_ptr, D_ptr,
+                  dsum_ptr, dsum_lo, dsum_hi, du_ptr, dw_ptr, dgate_ptr, tiles, accumulate, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
-    block's), -dL/d(partial) at dbase_ptr, the table sources' gradients into their accumulators, go = dL/dr
-    and D = go . r for phase 1's backward, and per-program partial sums of du, dw (norm weight) and dgate."""
+    block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
+    (partial), since this receiver's h is their base), -dL/d(partial) at dbase_ptr, the table sources'
+    gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and per-program
+    partial sums of du, dw (norm weight) and dgate."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     u = _folded_query(q_ptr, g_ptr, cols, d)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr).to(tl.float32)
+    gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
     du = tl.zeros((BLOCK_D,), tl.float32)
     dw = tl.zeros((BLOCK_D,), tl.float32)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
@@ -268,13 +271,20 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         else:
             dh = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
             dr = dx
+        if HAS_STATE:                     # go as phase 1's backward will read it, used alike here: the
+            dr = dr.to(go_ptr.dtype.element_ty).to(tl.float32)   # softmax backward's go . s_i - D is consistent
         D = tl.sum(dr * r, axis=1)
         if HAS_DIFF:                      # d(h - base): + to h, - to base
             dp, de_rstd = _source_grad(p, dr, u, lse, D, d, eps)
             du += tl.sum(de_rstd[:, None] * p, axis=0)
             dh += dp
             tl.store(dbase_ptr + offs, (-dp).to(dbase_ptr.dtype.element_ty), mask=mask)
-        if ADD or HAS_DIFF:
+        if SUMS:
+            slot_ptr = dsum_ptr + dsum_lo.to(tl.int64) * slab
+            for _ in range(dsum_lo, dsum_hi):
+                dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                slot_ptr += slab
+        if ADD or HAS_DIFF or SUMS:
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
         if HAS_STATE:                     # for phase 1's backward
             tl.store(go_ptr + slot.to(tl.int64) * slab + offs, dr.to(go_ptr.dtype.element_ty), mask=mask)
@@ -296,8 +306,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 
 # ------------------------------------------------------------------------------------------ launching
 
-PROGRAMS = 528        # programs of a backward kernel on a GPU (4 per SM of an H100/H200): each sums its tiles'
-                      # du, dw and dgate, so fewer programs write fewer partial sums
+H100_SMS = 132        # streaming multiprocessors assumed where no CUDA device says (the meta device)
 
 
 def slab_of(like: Tensor) -> int:
@@ -332,6 +341,11 @@ def _group_config(d: int, backward: bool) -> dict:
     return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=4, num_warps=16)
 
 
+def receivers_per_pass(d: int) -> int:
+    """How many receivers phase 1's backward serves in one pass over the sources at width d."""
+    return _group_config(d, backward=True)["R_BLOCK"]
+
+
 def _receiver_config(M: int, d: int, backward: bool) -> dict:
     """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile in the
     forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
@@ -346,9 +360,14 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward or wide else 3, num_warps=warps)
 
 
-def _tiles(n_tiles: int) -> tuple[int, int]:
-    """(programs, tiles per program) for a backward kernel over n_tiles row tiles."""
-    tiles = 1 if _interpreting() else triton.cdiv(n_tiles, PROGRAMS)
+def _tiles(n_tiles: int, kernel: str, device: torch.device) -> tuple[int, int]:
+    """(programs, tiles per program) for a backward kernel over n_tiles row tiles: one wave of programs (the
+    SMs times the kernel's programs per SM), each summing its tiles' du, dw and dgate into one partial sum, so
+    the partial sums stay few."""
+    if _interpreting():
+        return n_tiles, 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
+    tiles = triton.cdiv(n_tiles, sms * PROGRAMS_PER_SM[kernel])
     return triton.cdiv(n_tiles, tiles), tiles
 
 
@@ -380,7 +399,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     M, d = first.numel() // first.shape[-1], first.shape[-1]
     cfg = _group_config(d, backward=True)
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
-    programs, tiles = _tiles(M)
+    programs, tiles = _tiles(M, "_group_bwd", first.device)
     du = torch.empty(triton.cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32,
                      device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
@@ -395,18 +414,6 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                 off_a=off_a, off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps,
                 accumulate=int(accumulate or c > 0), **_dtypes(table), **cfg)
     return du.sum(1).flatten(0, 1)[:n_recv, :d]
-
-
-_ONES: dict[torch.device, Tensor] = {}
-
-
-def _gate(gate: Tensor | None, like: Tensor) -> Tensor:
-    """The gate, or a 1.0 (x = h + 1.0 r is exactly h + r) made once per device."""
-    if gate is not None:
-        return gate
-    if like.device not in _ONES:
-        _ONES[like.device] = torch.ones(1, dtype=torch.float32, device=like.device)
-    return _ONES[like.device]
 
 
 def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
@@ -432,7 +439,8 @@ def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Ten
     _launch(_receiver_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads, [y, lse[slot]], h.device,
             **_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot,
             slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=_gate(gate, h), w_ptr=weight, y_ptr=y, lse_ptr=lse, null=int(null), M=M, d=d, eps=eps,
+            gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, y_ptr=y,
+            lse_ptr=lse, null=int(null), M=M, d=d, eps=eps,
             norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None,
             HAS_DIFF=base is not None, ADD=add, **cfg)
     return y
@@ -443,15 +451,17 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
                       weight: Tensor, eps: float, norm_eps: float, add: bool, r_dtype: torch.dtype,
                       x_dtype: torch.dtype, dy: Tensor,
                       accumulators: tuple[Tensor, Tensor, int, int], accumulate: bool, go: Tensor | None,
-                      D: Tensor | None, dbase: Tensor | None) -> dict:
+                      D: Tensor | None, dbase: Tensor | None, dsum: tuple[Tensor, int, int] | None = None) -> dict:
     """Backward of receiver_forward. The table sources' gradients go into `accumulators` (written, or added
     to when `accumulate`); go[slot], D[slot] are written for phase 1's backward when there is a state;
-    dbase receives -dL/d(partial block). Returns {"dh", "du", "dweight", "dgate"} (dh None when h is unused)."""
+    dbase receives -dL/d(partial block); dsum = (buffer, lo, hi): slots lo..hi-1 of buffer are added to dh.
+    Returns {"dh", "du", "dweight", "dgate"} (dh None when h is unused)."""
     M, d = h.numel() // h.shape[-1], h.shape[-1]
     cfg = _receiver_config(M, d, backward=True)
-    programs, tiles = _tiles(triton.cdiv(M, cfg["BLOCK_M"]))
-    uses_h = add or base is not None
+    programs, tiles = _tiles(triton.cdiv(M, cfg["BLOCK_M"]), "_receiver_bwd", h.device)
+    uses_h = add or base is not None or dsum is not None
     dh = torch.empty_like(h) if uses_h else None
+    dsum_ptr, dsum_lo, dsum_hi = dsum if dsum is not None else (h, 0, 0)
     du = torch.empty(programs, cfg["BLOCK_D"], dtype=torch.float32, device=h.device)
     dweight = torch.empty_like(du)
     dgate = torch.empty(programs, dtype=torch.float32, device=h.device)
@@ -462,16 +472,19 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
     reads += [(slot_view(state, slot, h), 1)] if state is not None else []
     reads += ([(h, 1)] if uses_h else []) + ([(base, 1)] if base is not None else [])
     reads += [(g, 1) for g in grads] if accumulate else []
+    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if dsum is not None else []
     writes = grads + [du, dweight] + ([dh] if uses_h else []) + ([dbase] if base is not None else [])
     writes += [slot_view(go, slot, h), D[slot]] if state is not None else []
     _launch(_receiver_bwd, programs, reads, writes, h.device, **_receiver_args(table, h),
             state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot, slab=slab_of(h), h_ptr=h,
             base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=_gate(gate, h), w_ptr=weight, dy_ptr=dy, lse_ptr=lse, acc_a_ptr=acc_a,
+            gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, dy_ptr=dy,
+            lse_ptr=lse, acc_a_ptr=acc_a,
             acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
             dbase_ptr=dbase if dbase is not None else h, go_ptr=go if go is not None else h,
-            D_ptr=D if D is not None else lse, du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
+            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
             accumulate=int(accumulate), M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype],
-            X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add, **cfg)
+            X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add,
+            SUMS=dsum is not None, **cfg)
     return {"dh": dh, "du": du.sum(0)[:d], "dweight": dweight.sum(0)[:d],
             "dgate": dgate.sum() if gate is not None else None}

@@ -29,16 +29,17 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernels.depth_route import SourceTable, _aligned, source_table
-from kernels.grouped import (group_backward, group_forward, receiver_backward, receiver_forward, slot_view,
-                             slots)
+from kernels.grouped import (group_backward, group_forward, receiver_backward, receiver_forward,
+                             receivers_per_pass, slot_view, slots)
 from router import DepthState, Policy, Router
 
 
-def fine_group_size(n_sublayers: int) -> int:
-    """Receivers per group when every output is a source: a group of G reads its N committed sources once
+def fine_group_size(n_sublayers: int, d: int) -> int:
+    """Receivers per group when every output is a source. A group of G reads its N committed sources once
     (about 3 N bytes per row, forward and backward) and each receiver up to G - 1 recent outputs itself
-    (about 4 each); over the depth the total is smallest near G = sqrt(3 n_sublayers / 8) (6 at 36 layers)."""
-    return max(2, round(math.sqrt(3 * n_sublayers / 8)))
+    (about 4 each): over the depth the total is smallest near G = sqrt(3 n_sublayers / 8). No more than phase
+    1's backward takes in one pass (grouped.receivers_per_pass), which would read the sources again."""
+    return max(2, min(round(math.sqrt(3 * n_sublayers / 8)), receivers_per_pass(d)))
 
 
 def plan_groups(policy: Policy, n_receivers: int, group_size: int) -> list[int]:
@@ -112,6 +113,7 @@ class Group:
     D: Tensor | None = None           # (R, M) go . r
     dbase: Tensor | None = None       # (R, slab) -dL/d(partial) of receivers whose base is `base`
     dbase_slots: list[int] = field(default_factory=list)
+    dbase_summed: bool = False        # the group's first receiver (whose h~ is `base`) added them to its dh
     output: Tensor | None = None      # GroupRead's output (the state), an input of every receiver's node
 
     def backward_buffers(self, like: Tensor) -> None:
@@ -120,7 +122,7 @@ class Group:
             self.go = slots(n, like, self.state.dtype)
             self.D = torch.empty_like(self.lse)
             if self.dbase_slots:
-                self.dbase = slots(n, like, self.base.dtype)
+                self.dbase = slots(n, like, self.state.dtype)
 
 
 def _params(routers: list[Router]) -> list[Tensor]:
@@ -158,8 +160,8 @@ class GroupRead(torch.autograd.Function):
                             bank.pointers(group.table, 0), accumulate=not group.last)
         dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
         dbase = None
-        if group.dbase_slots:
-            dbase = group.dbase[group.dbase_slots, :like.numel()].sum(0).view(like.shape)
+        if group.dbase_slots and not group.dbase_summed:
+            dbase = group.dbase[group.dbase_slots, :like.numel()].sum(0).view(like.shape).to(group.base.dtype)
         params = [g for pair in zip(dq.unbind(0), dg.unbind(0)) for g in pair]
         return (None, None, None, dbase, *[bank.grad(k) for k in ctx.owned], *params)
 
@@ -176,6 +178,7 @@ class Receiver:
     add: bool
     accumulate: bool                  # False only for the very last receiver: its backward runs first
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
+    sums_group: bool                  # the group's first receiver, whose h~ is the group's base
     eps: float
     norm_eps: float
     r_dtype: torch.dtype              # the read-out's dtype (the reference's: sources[0]'s)
@@ -209,10 +212,15 @@ class ReceiverRead(torch.autograd.Function):
             dbase = slot_view(group.dbase, spec.slot, h)
         else:
             dbase = torch.empty_like(base)
+        dsum = None
+        if spec.sums_group and group.dbase_slots:
+            lo, hi = min(group.dbase_slots), max(group.dbase_slots) + 1
+            if hi - lo == len(group.dbase_slots):
+                dsum, group.dbase_summed = (group.dbase, lo, hi), True
         out = receiver_backward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query,
                                 norm_weight, gate, weight, spec.eps, spec.norm_eps, spec.add, spec.r_dtype,
                                 spec.x_dtype, _aligned(dy), bank.pointers(spec.table, spec.first), spec.accumulate,
-                                group.go, group.D, dbase)
+                                group.go, group.D, dbase, dsum)
         dquery, dnorm = (out["du"] * norm_weight.float()).to(query.dtype), (out["du"] * query.float()).to(norm_weight.dtype)
         return (None, None, out["dh"], None if spec.base_to_group else dbase, None, dquery, dnorm,
                 None if gate is None else out["dgate"].to(gate.dtype).view(gate.shape), out["dweight"].to(weight.dtype),
@@ -227,7 +235,8 @@ class GroupedDepthState(DepthState):
         super().__init__(*args, **kwargs)
         n_receivers, n_sublayers = len(self.routers), len(self.routers) - int(self.policy.final_read)
         fine = len(self.policy.boundaries) == n_sublayers - 1          # a source committed before every sublayer
-        self.plan = plan_groups(self.policy, n_receivers, group_size or (fine_group_size(n_sublayers) if fine else 1))
+        size = group_size or (fine_group_size(n_sublayers, self.h.shape[-1]) if fine else 1)
+        self.plan = plan_groups(self.policy, n_receivers, size)
         self.bank = GradBank(self.sources)
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None
@@ -292,8 +301,8 @@ class GroupedDepthState(DepthState):
             x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
         spec = Receiver(group, l - group.first_receiver, source_table(own) if own else None, group.n_committed,
-                        owned, self.policy.null_source, add, l != len(self.routers) - 1, base_to_group, self.eps,
-                        norm.eps, r_dtype, x_dtype)
+                        owned, self.policy.null_source, add, l != len(self.routers) - 1, base_to_group,
+                        l == group.first_receiver and self.h is group.base, self.eps, norm.eps, r_dtype, x_dtype)
         return ReceiverRead.apply(spec, self.bank, self.h, base, group.output, router.query, router.norm_weight,
                                   router.gate, norm.weight, *[self.sources[k] for k in owned])
 

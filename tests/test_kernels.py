@@ -218,10 +218,15 @@ def test_grouped_read_is_one_softmax_over_every_source(case, scale_of_logits, na
 # ------------------------------------------------------------------------------------------- whole model
 
 TINY = dict(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96)
-METHODS = [dict(residual="attnres", n_blocks=2), dict(residual="full_attnres", null_source=True),
-           dict(residual="delta"), dict(residual="delta", null_source=True, gate=True),
-           dict(residual="delta_block", n_blocks=2), dict(residual="delta_block", n_blocks=2, block_source="paper"),
-           dict(residual="delta_block", n_blocks=2, include_partial=False)]
+# every method and Delta Block option; blocks of unequal length (4 layers in 3 blocks), of one layer
+# (n_blocks = n_layers) and a single block
+METHODS = [dict(residual="attnres", n_blocks=2), dict(residual="attnres", n_blocks=3, null_source=True),
+           dict(residual="full_attnres", null_source=True), dict(residual="delta"),
+           dict(residual="delta", null_source=True, gate=True), dict(residual="delta_block", n_blocks=2),
+           dict(residual="delta_block", n_blocks=3), dict(residual="delta_block", n_blocks=4),
+           dict(residual="delta_block", n_blocks=1), dict(residual="delta_block", n_blocks=2, block_source="paper"),
+           dict(residual="delta_block", n_blocks=2, include_partial=False),
+           dict(residual="delta_block", n_blocks=2, null_source=True, gate=True)]
 
 
 def loss_and_grads(routed, kernel, idx):
@@ -254,20 +259,29 @@ def test_model_with_kernels_matches_reference(routed):
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
-@pytest.mark.parametrize("routed", [dict(residual="delta"), dict(residual="delta_block", n_blocks=2)],
-                         ids=["delta", "delta_block"])
+@pytest.mark.parametrize("routed", [dict(residual="attnres", n_blocks=3), dict(residual="full_attnres"),
+                                    dict(residual="delta", null_source=True, gate=True),
+                                    dict(residual="delta_block", n_blocks=3)],
+                         ids=["attnres", "full_attnres", "delta", "delta_block"])
 def test_model_with_kernels_under_bf16_autocast(routed):
     """As train.py runs on a GPU: bf16 sublayer outputs next to an fp32 embedding and stream, so the kernels
-    read mixed dtypes. bf16 outputs carry 8 significant bits and the two paths round at different places, so
-    the loss agrees to 1e-3 and gradients to 3% of the model's gradient scale."""
+    read mixed dtypes. bf16 carries 8 significant bits and the two paths round at different places (the kernel
+    path also keeps phase 1's read-outs, their gradients and Delta Block's committed deltas in bf16), and how
+    far bf16 moves the gradients depends on the method (replacement routing, whose gradients all pass through
+    the routing, moves most: up to ~40% of the gradient scale for Full AttnRes in this tiny model). So each
+    path is held against the fp32 model: the kernel path's loss within 1e-2 of it, and its largest gradient
+    error at most 1.5x the reference path's own plus 1% of the gradient scale."""
     idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    true_loss, true_grads = loss_and_grads(routed, "reference", idx)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         loss, grads = loss_and_grads(routed, "triton", idx)
         want_loss, want_grads = loss_and_grads(routed, "reference", idx)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
-    scale = max(g.abs().max().item() for g in want_grads.values())
-    for name in grads:
-        torch.testing.assert_close(grads[name], want_grads[name], rtol=0, atol=3e-2 * scale, msg=name)
+    torch.testing.assert_close(loss, true_loss, rtol=1e-2, atol=0)
+    scale = max(g.abs().max().item() for g in true_grads.values())
+
+    def error(gs):
+        return max((gs[name] - true_grads[name]).abs().max().item() for name in true_grads) / scale
+    assert error(grads) <= 1.5 * error(want_grads) + 1e-2, (error(grads), error(want_grads))
 
 
 def test_dispatch():
