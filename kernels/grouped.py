@@ -279,11 +279,6 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             du += tl.sum(de_rstd[:, None] * p, axis=0)
             dh += dp
             tl.store(dbase_ptr + offs, (-dp).to(dbase_ptr.dtype.element_ty), mask=mask)
-        if SUMS:
-            slot_ptr = dsum_ptr + dsum_lo.to(tl.int64) * slab
-            for _ in range(dsum_lo, dsum_hi):
-                dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                slot_ptr += slab
         if ADD or HAS_DIFF or SUMS:
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
         if HAS_STATE:                     # for phase 1's backward
@@ -299,6 +294,14 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
             du += tl.sum(de_rstd[:, None] * s, axis=0)
             _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
+        if SUMS:                          # last, when few registers are live: dh += the group's slots
+            tl.debug_barrier()            # dh stored above by this program's threads, now read back
+            dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            slot_ptr = dsum_ptr + dsum_lo.to(tl.int64) * slab
+            for _ in range(dsum_lo, dsum_hi):
+                dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                slot_ptr += slab
+            tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + pid * BLOCK_D + cols, du)
     tl.store(dw_ptr + pid * BLOCK_D + cols, dw)
     tl.store(dgate_ptr + pid, tl.sum(dgate, axis=0))
@@ -472,8 +475,9 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
     reads += [(slot_view(state, slot, h), 1)] if state is not None else []
     reads += ([(h, 1)] if uses_h else []) + ([(base, 1)] if base is not None else [])
     reads += [(g, 1) for g in grads] if accumulate else []
-    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if dsum is not None else []
-    writes = grads + [du, dweight] + ([dh] if uses_h else []) + ([dbase] if base is not None else [])
+    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if dsum is not None else []
+    writes = grads + [du, dweight] + ([dh] * (1 + (dsum is not None)) if uses_h else [])
+    writes += [dbase] if base is not None else []
     writes += [slot_view(go, slot, h), D[slot]] if state is not None else []
     _launch(_receiver_bwd, programs, reads, writes, h.device, **_receiver_args(table, h),
             state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot, slab=slab_of(h), h_ptr=h,
