@@ -34,7 +34,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from kernels import depth_route, grouped
 from kernels.depth_route import Launch, observe_launches
-from kernels.traffic import ByteCounter, dry_step
+from kernels.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
 TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
@@ -47,8 +47,6 @@ VARIANTS = [dict(residual="attnres"), dict(residual="full_attnres", null_source=
             dict(residual="delta", null_source=True, gate=True), dict(residual="delta_block"),
             dict(residual="delta_block", block_source="paper"), dict(residual="delta_block", include_partial=False),
             dict(residual="delta_block", null_source=True, gate=True)]
-# (parameter dtype, sublayer output dtype): autocast on one GPU or DDP; FSDP2's bf16 parameters
-REGIMES = {"autocast": (torch.float32, torch.bfloat16), "bf16": (torch.bfloat16, torch.bfloat16)}
 _BITS = {"8": 8, "16": 16, "32": 32, "64": 64}
 
 

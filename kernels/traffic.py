@@ -50,6 +50,9 @@ DEVICES = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12)}
 MFU = 0.40                    # the baseline's model FLOPs utilisation: a fast, well-tuned run
 BANDWIDTH_EFFICIENCY = 0.80   # the fraction of peak bandwidth routing's kernels and ops are assumed to reach
 OUTPUT_DTYPE = torch.bfloat16
+# (parameter dtype, sublayer output dtype): train.py on one GPU or with DDP (autocast: fp32 parameters,
+# embedding and stream); with FSDP2 (bf16 parameters: everything bf16)
+REGIMES = {"autocast": (torch.float32, OUTPUT_DTYPE), "bf16": (torch.bfloat16, OUTPUT_DTYPE)}
 
 
 def _distinct_bytes(t: torch.Tensor) -> int:
@@ -154,18 +157,18 @@ def dry_step(cfg: ModelConfig, tokens: tuple[int, int], counter: ByteCounter,
         logits.backward(torch.empty_like(logits))
 
 
-def count_step(cfg: ModelConfig, tokens: tuple[int, int]) -> Counter[tuple[str, str]]:
+def count_step(cfg: ModelConfig, tokens: tuple[int, int], regime: str = "autocast") -> Counter[tuple[str, str]]:
     """Bytes moved by one forward + backward of `cfg` on `tokens` (batch, seq_len), by (phase, name)."""
     counter = ByteCounter()
-    dry_step(cfg, tokens, counter)
+    dry_step(cfg, tokens, counter, *REGIMES[regime])
     return counter.bytes
 
 
 def measure(shape: dict = SHAPE_1044M, tokens: tuple[int, int] = TOKENS_1044M, methods: dict = METHODS,
-            kernel: str = "triton") -> dict[str, dict]:
+            kernel: str = "triton", regime: str = "autocast") -> dict[str, dict]:
     """{method: {"bytes_per_token", "forward", "backward", "by_name"}} of what routing adds to the baseline."""
     n_tokens = tokens[0] * tokens[1]
-    counts = {label: count_step(ModelConfig(**shape, **overrides, kernel=kernel), tokens)
+    counts = {label: count_step(ModelConfig(**shape, **overrides, kernel=kernel), tokens, regime)
               for label, overrides in methods.items()}
     base = counts["baseline"]
     results = {}
@@ -186,10 +189,14 @@ def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, devi
     return t_base / (t_base + t_route)
 
 
-def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], top: int = 6) -> str:
+REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (autocast: one GPU, DDP)",
+                "bf16": "bf16 parameters, stream and outputs (FSDP2's bf16 parameters)"}
+
+
+def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], regime: str, top: int = 6) -> str:
     fpt = flops_per_token(cfg, tokens[1])
     lines = [f"routing traffic of one training step: {cfg.n_layers} layers, d = {cfg.d_model}, {cfg.n_blocks} blocks, "
-             f"{tokens[0]} x {tokens[1]} tokens, fp32 stream + bf16 sublayer outputs (autocast)",
+             f"{tokens[0]} x {tokens[1]} tokens, {REGIME_NAMES[regime]}",
              f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (runlog.flops_per_token) at MFU {MFU:.0%}; "
              f"routing at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth, not overlapped; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
@@ -215,15 +222,17 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     cfg = ModelConfig(**SHAPE_1044M)
-    results = measure(kernel=args.kernel)
-    print(report(results, cfg, TOKENS_1044M))
-    if args.json:
-        fpt = flops_per_token(cfg, TOKENS_1044M[1])
-        for r in results.values():
+    fpt = flops_per_token(cfg, TOKENS_1044M[1])
+    results = {}
+    for regime in REGIMES:
+        results[regime] = measure(kernel=args.kernel, regime=regime)
+        print(report(results[regime], cfg, TOKENS_1044M, regime) + "\n")
+        for r in results[regime].values():
             r["predicted_ratio"] = {k: predicted_ratio(r["bytes_per_token"], fpt, k) for k in DEVICES}
+    if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": SHAPE_1044M, "tokens": TOKENS_1044M, "kernel": args.kernel, "mfu": MFU,
-                       "bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "devices": DEVICES, "methods": results}, f,
+                       "bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "devices": DEVICES, "regimes": results}, f,
                       indent=2)
 
 
