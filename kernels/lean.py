@@ -96,23 +96,24 @@ class LeanDepthState(DepthState):
 
     def fused_read(self, router: Router, norm: nn.Module, additive: bool) -> Tensor:
         if self.observer is not None:
-            self.observer(self.l, self.candidates(), router)
-        sources, base = list(self.sources), None
+            self.observer(self.l, self.candidates(router), router)
+        sources, base, null = list(self.sources), None, self.policy.null_source
+        if null and router.null is not None:   # a learned null source is an ordinary source to the kernels
+            sources, null = sources + [router.null.expand_as(self.h)], False
         if self.partial is not None and self.policy.include_partial:
             if not additive:              # replacement keeps no stream to subtract from: pass the partial
                 sources.append(self.new_source())
             else:
                 base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
-        return routed_norm(self.h if additive else None, sources, router, norm, self.eps, base,
-                           self.policy.null_source)
+        return routed_norm(self.h if additive else None, sources, router, norm, self.eps, base, null)
 
     def input(self, norm: nn.Module | None = None) -> Tensor:
-        if norm is None or self.policy.read == "none":
+        if norm is None or not self.reads():
             return super().input(norm)
         self.commit()
-        return self.fused_read(self.routers[self.l], norm, additive=self.policy.read == "add")
+        return self.fused_read(self.router(), norm, additive=self.policy.read == "add")
 
     def output(self, norm: nn.Module | None = None) -> Tensor:
         if norm is None or not self.policy.final_read:
             return super().output(norm)
-        return self.fused_read(self.routers[self.l], norm, additive=False)
+        return self.fused_read(self.router(), norm, additive=False)
