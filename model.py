@@ -46,8 +46,9 @@ class ModelConfig:
     # depth routing (router.py)
     residual: str = "baseline"          # one of router.METHODS
     n_blocks: int = 4                   # blocks K for attnres / delta_block (K+1 sources with the partial)
-    block_split: str = "even"           # attnres / delta_block: "even" (block b starts at layer floor(b L / K)) or
-                                        # "ceil" (the authors' code: blocks of ceil(L / K) layers); router.block_starts
+    block_split: str = "even"           # attnres / delta_block (like n_blocks, ignored by the other methods): "even"
+                                        # (block b starts at layer floor(b L / K)) or "ceil" (the authors' code:
+                                        # blocks of ceil(L / K) layers); router.block_starts
     block_source: str = "boundary"      # delta_block: "boundary" (the stream's change across each block, the
                                         # default) or "paper" (the authors' computation exactly: router.make_policy)
     include_partial: bool = True        # delta_block, boundary sources: the current partial block is a source
@@ -79,9 +80,6 @@ class ModelConfig:
         if self.residual != "delta_block" and (self.block_source != "boundary" or not self.include_partial):
             raise ValueError(f"block_source and include_partial choose Delta Block's sources; residual="
                              f"{self.residual!r} has no block deltas (use residual='delta_block')")
-        if self.residual not in ("attnres", "delta_block") and self.block_split != "even":
-            raise ValueError(f"block_split={self.block_split!r}: residual={self.residual!r} has no blocks "
-                             "(block_split is for attnres and delta_block)")
         if self.block_split == "ceil" and self.residual in ("attnres", "delta_block"):
             self._check_ceil_split()
         if self.residual == "baseline" and (self.gate or self.null_source or self.query_init_std > 0):

@@ -268,7 +268,6 @@ def test_router_counts():
     (dict(residual="baseline", null_source=True), "need a routed method"),
     (dict(residual="baseline", query_init_std=0.02), "need a routed method"),
     (dict(residual="delta_block", block_split="floor"), "block_split='floor': allowed values are even, ceil"),
-    (dict(residual="delta", block_split="ceil"), "block_split='ceil': residual='delta' has no blocks"),
     (dict(residual="attnres", n_blocks=5, block_split="ceil"), r"n_blocks=5 with block_split='ceil' makes 3 blocks"),
     (dict(residual="delta", query_init_std=-0.5), r"query_init_std=-0.5: allowed values are a std >= 0, or -1"),
     (dict(residual="delta", query_init_std=float("nan")), "query_init_std=nan: allowed values"),
@@ -295,6 +294,22 @@ def test_paper_config_parameter_counts(size):
         with torch.device("meta"):
             n = Model(model_cfg).num_params()
         assert abs(n / LABELS[size] - 1) < 0.03, (path, n)
+
+
+# Block counts: the paper's where it gives one, else the authors' run names and scripts (default 4).
+BLOCKS = {"220m_attnres": 4, "220m_delta_block": 2, "533m_attnres": 4, "533m_delta_block": 4,
+          "1044m_attnres": 4, "1044m_delta_block": 4, "qwen3_0.6b_attnres": 4, "qwen3_0.6b_delta_block": 28,
+          "qwen3_8b_attnres": 4, "qwen3_8b_delta_block": 4}
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_paper_config_block_counts(name):
+    import train
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    model_cfg, _ = train.load_config([path])
+    assert (model_cfg.n_blocks, model_cfg.block_split, model_cfg.block_source) == (BLOCKS[name], "ceil", "boundary")
+    with open(path) as f:
+        assert "n_blocks = " in f.read()            # each says where its number comes from
 
 
 @pytest.mark.parametrize("residual", ["delta", "attnres", "full_attnres", "baseline"])
