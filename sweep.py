@@ -53,7 +53,7 @@ METHODS = {
     "full_attnres": ("full_attnres", {"residual": "full_attnres"}, 2.8),
     "delta": ("delta", {"residual": "delta"}, 2.6),
     "delta_block": ("delta_block", {"residual": "delta_block"}, 1.35),
-    "delta_block (paper sources)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
+    "delta_block (the authors' variant)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
 }
 # The initialisation rows besides Table 1's delta_block (zero queries, no gate): (label, run-name slug, overrides).
 INITS = [
