@@ -15,9 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from router import BLOCK_SOURCES, METHODS, DepthState, Router, depth_route, make_policy, rms_norm
+from router import BLOCK_SOURCES, BLOCK_SPLITS, METHODS, DepthState, Router, depth_route, make_policy, rms_norm
 
 KERNELS = ("auto", "triton", "reference")
+GATED_QUERY_INIT_STD = 0.02  # the default query init with gate=True: the authors' Linear(d, 1) queries, N(0, 0.02)
 
 
 def uses_kernel(kernel: str, device: torch.device) -> bool:
@@ -45,10 +46,18 @@ class ModelConfig:
     # depth routing (router.py)
     residual: str = "baseline"          # one of router.METHODS
     n_blocks: int = 4                   # blocks K for attnres / delta_block (K+1 sources with the partial)
-    block_source: str = "boundary"      # delta_block: "boundary" (correct) or "paper" (Fig. 3's formula)
-    include_partial: bool = True        # delta_block: the current partial block is a source
-    null_source: bool = False           # an extra zero source
+    block_split: str = "even"           # attnres / delta_block (like n_blocks, ignored by the other methods): "even"
+                                        # (block b starts at layer floor(b L / K)) or "ceil" (the authors' code:
+                                        # blocks of ceil(L / K) layers); router.block_starts
+    block_source: str = "boundary"      # delta_block: "boundary" (the stream's change across each block, the
+                                        # default) or "paper" (the authors' computation exactly: router.make_policy)
+    include_partial: bool = True        # delta_block, boundary sources: the current partial block is a source
+                                        # (the paper's variant never has one)
+    null_source: bool = False           # an extra null source per receiver
+    learned_null: bool = False          # the null source is a learned vector per receiver (zero at init), not 0
     gate: bool = False                  # zero-init scalar gate per receiver: exact identity at init
+    query_init_std: float = -1.0        # routers' queries start at N(0, std); 0 = zero queries. -1: 0 (as the
+                                        # paper states), or GATED_QUERY_INIT_STD with gate=True (router.Router)
     kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
 
     def __post_init__(self):
@@ -69,6 +78,11 @@ class ModelConfig:
             raise ValueError(f"kernel={self.kernel!r}: allowed values are {', '.join(KERNELS)}")
         if self.block_source not in BLOCK_SOURCES:
             raise ValueError(f"block_source={self.block_source!r}: allowed values are {', '.join(BLOCK_SOURCES)}")
+        if self.block_split not in BLOCK_SPLITS:
+            raise ValueError(f"block_split={self.block_split!r}: allowed values are {', '.join(BLOCK_SPLITS)}")
+        if not (self.query_init_std >= 0 or self.query_init_std == -1):
+            raise ValueError(f"query_init_std={self.query_init_std!r}: allowed values are a std >= 0, or -1 for the "
+                             f"default (0, or {GATED_QUERY_INIT_STD} with gate=True)")
         if self.residual in ("attnres", "delta_block") and not 1 <= self.n_blocks <= self.n_layers:
             raise ValueError(f"n_blocks={self.n_blocks}: allowed values are 1..n_layers={self.n_layers} "
                              "(blocks are made of whole layers)")
@@ -77,11 +91,27 @@ class ModelConfig:
         if self.residual != "delta_block" and (self.block_source != "boundary" or not self.include_partial):
             raise ValueError(f"block_source and include_partial choose Delta Block's sources; residual="
                              f"{self.residual!r} has no block deltas (use residual='delta_block')")
-        if self.residual == "baseline" and (self.gate or self.null_source):
-            raise ValueError("gate and null_source need a routed method; residual='baseline' has no routing")
+        if self.block_split == "ceil" and self.residual in ("attnres", "delta_block"):
+            self._check_ceil_split()
+        if self.residual == "baseline" and (self.gate or self.null_source or self.query_init_std > 0):
+            raise ValueError("gate, null_source and query_init_std need a routed method; residual='baseline' "
+                             "has no routing")
+        if self.learned_null and not self.null_source:
+            raise ValueError("learned_null=True: the learned vector is the null source; set null_source=True too")
         if self.gate and self.residual in ("attnres", "full_attnres"):
             raise ValueError(f"gate=True is for additive routing (delta, delta_block); {self.residual!r} "
                              "replaces the sublayer input, so a zero gate would feed it zeros")
+        if self.query_init_std == -1:
+            self.query_init_std = GATED_QUERY_INIT_STD if self.gate else 0.0
+
+    def _check_ceil_split(self) -> None:
+        """Blocks of ceil(L / K) layers can be fewer than K (12 layers, K = 5: 4 blocks of 3)."""
+        size = -(-self.n_layers // self.n_blocks)
+        made = -(-self.n_layers // size)
+        if made != self.n_blocks:
+            raise ValueError(f"n_blocks={self.n_blocks} with block_split='ceil' makes {made} blocks of "
+                             f"ceil({self.n_layers}/{self.n_blocks}) = {size} layers; use block_split='even' or "
+                             f"an n_blocks that ceil blocks reach exactly")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -167,7 +197,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.policy = make_policy(cfg.residual, cfg.n_layers, cfg.n_blocks, cfg.block_source,
-                                  cfg.include_partial, cfg.null_source)
+                                  cfg.include_partial, cfg.null_source, cfg.block_split)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -177,7 +207,8 @@ class Model(nn.Module):
         # Routers sit at the root, not inside layers: they are tiny, and a block's reads may need the
         # queries of several layers at once (which per-layer sharding would hide).
         n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
-        self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate) for _ in range(n_receivers))
+        self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate, cfg.query_init_std, cfg.learned_null)
+                                     for _ in range(n_receivers))
         self.route = depth_route        # Eq. 1 on the reference path (the kernel path reads with kernels/)
         self.routing_observer = None    # see router.DepthState; None costs nothing
         self.init_weights()
@@ -185,7 +216,8 @@ class Model(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) matrices; the two projections that write into the stream scaled by
-        1/sqrt(2 L) so the stream's variance does not grow with depth; norms at one; routers as Router says."""
+        1/sqrt(2 L) so the stream's variance does not grow with depth; norms at one; routers last, as Router says
+        (so that a seed gives a routed model exactly the baseline's backbone)."""
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if p.dim() == 2:

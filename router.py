@@ -22,6 +22,7 @@ from torch import Tensor
 
 METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 BLOCK_SOURCES = ("boundary", "paper")
+BLOCK_SPLITS = ("even", "ceil")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -52,22 +53,37 @@ def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: 
 
 
 class Router(nn.Module):
-    """The parameters one receiving sublayer owns: a static query w_l, its own RMSNorm weight g_l, and an
-    optional scalar gate. The query starts at zero (uniform weights); the gate starts at zero, which makes
-    h^ = h~ + gate * r an exact identity at initialisation (the paper's zero query alone is not, PAPER.md §5).
+    """The parameters one receiving sublayer owns: a static query w_l, its own RMSNorm weight g_l, an optional
+    scalar gate and an optional learned null source.
+
+    query_init_std: the query starts at N(0, std), or at zero (uniform weights, as the paper states) for 0.
+    gate: a scalar g starting at zero, so h^ = h~ + g r is an exact identity at initialisation (zero queries
+        alone are not one). The gate's gradient at g = 0 is <dL/dh^, r>; with zero queries and sources that
+        sum to the stream, r = c h~ and the scale-invariant pre-norm makes that vanish, so a gated router
+        needs random queries to learn (ModelConfig's default for gate=True is N(0, 0.02)).
+    learned_null: the null source is a learned vector n_l (d,) of this receiver, zero at init (the authors'
+        code), rather than a constant zero.
     """
 
-    def __init__(self, d_model: int, gate: bool):
+    def __init__(self, d_model: int, gate: bool, query_init_std: float = 0.0, learned_null: bool = False):
         super().__init__()
+        self.query_init_std = query_init_std
+        # zeros here, drawn in reset_parameters: building a router must not move the RNG that the backbone's
+        # init draws from (model.Model initialises routers last)
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm_weight = nn.Parameter(torch.ones(d_model))
         self.gate = nn.Parameter(torch.zeros(())) if gate else None
+        self.null = nn.Parameter(torch.zeros(d_model)) if learned_null else None
 
     def reset_parameters(self) -> None:
-        nn.init.zeros_(self.query)
+        if self.query_init_std > 0:
+            nn.init.normal_(self.query, mean=0.0, std=self.query_init_std)
+        else:
+            nn.init.zeros_(self.query)
         nn.init.ones_(self.norm_weight)
-        if self.gate is not None:
-            nn.init.zeros_(self.gate)
+        for p in (self.gate, self.null):
+            if p is not None:
+                nn.init.zeros_(p)
 
 
 @dataclass(frozen=True)
@@ -75,44 +91,66 @@ class Policy:
     """A method, as data.
 
     read:          "none" (plain pre-norm residual), "add" (Eq. 2) or "replace" (AttnRes).
-    boundaries:    sublayer indices before which the current partial is committed as a new source.
-                   Every index -> fine-grained (each output is a source); block starts -> block sources.
+    boundaries:    sublayer indices where a new block starts: there the block before becomes a committed
+                   source. Every index -> fine-grained (each output is a source); block starts -> block sources.
     block_source:  what is committed: "boundary" = the sum of outputs since the last boundary, which is
                    exactly h~_{tau_{b+1}} - h~_{tau_b}; "paper" = h~ - sources[-1] (the paper's Fig. 3).
+    commit_after_read: False: a finished block is a source for the boundary sublayer itself; True (the
+                   authors' code): it is committed only after that sublayer has read, from the stream at the
+                   boundary, so the first sublayer of a block does not see the previous block.
     include_partial: the not-yet-committed partial is a source too (once its block has an output).
-    null_source:   an extra all-zero source, so a receiver can choose to read nothing.
+    reads_from:    sublayers before this index read nothing (the authors' code: sublayer 0 has no read).
+    null_source:   an extra null source (zero, or the receiver's learned vector), so a receiver can read
+                   nothing.
     final_read:    a last routing over every source produces the input of the final norm.
     """
 
     read: str
     boundaries: frozenset[int] = frozenset()
     block_source: str = "boundary"
+    commit_after_read: bool = False
     include_partial: bool = True
+    reads_from: int = 0
     null_source: bool = False
     final_read: bool = False
 
     def n_receivers(self, n_sublayers: int) -> int:
-        """How many routers the model owns: one per sublayer, plus one for the final read."""
-        return 0 if self.read == "none" else n_sublayers + int(self.final_read)
+        """How many routers the model owns: one per reading sublayer, plus one for the final read."""
+        return 0 if self.read == "none" else n_sublayers - self.reads_from + int(self.final_read)
 
 
-def block_starts(n_layers: int, n_blocks: int) -> frozenset[int]:
-    """Sublayer indices where blocks 1..K-1 start: K blocks of (near) equal numbers of whole layers."""
+def block_starts(n_layers: int, n_blocks: int, split: str = "even") -> frozenset[int]:
+    """Sublayer indices where blocks 1.. start. "even": K blocks whose lengths differ by at most one layer
+    (block b starts at layer floor(b L / K)); "ceil" (the authors' code): blocks of ceil(L / K) layers, the last
+    one shorter (with 36 layers and 8 blocks: 5, 5, 5, 5, 5, 5, 5, 1; "even" gives 4, 5, 4, 5, 4, 5, 4, 5)."""
+    if split == "ceil":
+        size = -(-n_layers // n_blocks)
+        return frozenset(2 * layer for layer in range(size, n_layers, size))
     return frozenset(2 * (b * n_layers // n_blocks) for b in range(1, n_blocks))
 
 
 def make_policy(residual: str, n_layers: int, n_blocks: int = 1, block_source: str = "boundary",
-                include_partial: bool = True, null_source: bool = False) -> Policy:
-    """The five methods of the paper. Arguments are validated by ModelConfig."""
+                include_partial: bool = True, null_source: bool = False, block_split: str = "even") -> Policy:
+    """The five methods of the paper. Arguments are validated by ModelConfig.
+
+    delta_block's block_source="paper" is the authors' computation exactly: Fig. 3's formula, committed
+    after the boundary sublayer has read, no partial source (so the last block is never a source) and no read
+    at sublayer 0. With L = 8, K = 4 and B_k the sum of block k's outputs, sublayers 1-4 read [e], 5-8
+    [e, B0], 9-12 [e, B0, e+B1], 13-15 [e, B0, e+B1, B0+B2]. "boundary": a sublayer of block k reads
+    [e, B0, .., B_{k-1}], plus the partial from the block's second sublayer on.
+    """
     every = frozenset(range(1, 2 * n_layers))  # commit each output before the next sublayer reads
-    blocks = block_starts(n_layers, n_blocks)
+    blocks = block_starts(n_layers, n_blocks, block_split)
+    paper = block_source == "paper"
+    delta_block = Policy(read="add", boundaries=blocks, block_source=block_source, commit_after_read=paper,
+                         include_partial=include_partial and not paper, reads_from=int(paper),
+                         null_source=null_source)
     policies = {
         "baseline": Policy(read="none"),
         "attnres": Policy(read="replace", boundaries=blocks, null_source=null_source, final_read=True),
         "full_attnres": Policy(read="replace", boundaries=every, null_source=null_source, final_read=True),
         "delta": Policy(read="add", boundaries=every, null_source=null_source),
-        "delta_block": Policy(read="add", boundaries=blocks, block_source=block_source,
-                              include_partial=include_partial, null_source=null_source),
+        "delta_block": delta_block,
     }
     return policies[residual]
 
@@ -126,7 +164,7 @@ class DepthState:
 
     It keeps the ordinary residual stream h~ (the sum of the embedding and every output so far), the
     committed sources, and the partial: the sum of outputs since the last commit (None when empty).
-    `observer`, if given, is called as observer(receiver_index, sources, router) before each read (eval.py
+    `observer`, if given, is called as observer(sublayer_index, sources, router) before each read (eval.py
     records routing weights this way); it must not modify anything.
     """
 
@@ -139,47 +177,62 @@ class DepthState:
         self.l = 0                            # index of the next sublayer
         self.tracks_sources = policy.read != "none"
 
+    def reads(self) -> bool:
+        """Whether sublayer l reads its sources."""
+        return self.policy.read != "none" and self.l >= self.policy.reads_from
+
+    def router(self) -> Router:
+        """The router of sublayer l (or of the final read, after the last sublayer)."""
+        return self.routers[self.l - self.policy.reads_from]
+
     def new_source(self) -> Tensor:
         """The source the current partial block would become if it were committed now."""
         if self.policy.block_source == "paper":
             return self.h - self.sources[-1]  # Fig. 3: hidden - deltas[-1] (not a boundary difference)
         return self.partial                   # = h~_now - h~_{last boundary}, summed without cancellation
 
-    def candidates(self) -> list[Tensor]:
-        """The sources a receiver reads now: committed ones, the partial, the null source."""
+    def candidates(self, router: Router) -> list[Tensor]:
+        """The sources `router` reads now: committed ones, the partial, the null source."""
         srcs = list(self.sources)
         if self.partial is not None and self.policy.include_partial:
             srcs.append(self.new_source())
         if self.policy.null_source:
-            srcs.append(torch.zeros_like(self.h))
+            srcs.append(torch.zeros_like(self.h) if router.null is None else router.null.expand_as(self.h))
         return srcs
 
     def read(self, router: Router) -> Tensor:
-        sources = self.candidates()
+        sources = self.candidates(router)
         if self.observer is not None:
             self.observer(self.l, sources, router)
         return self.route(sources, router.query, router.norm_weight, self.eps)
 
-    def commit(self) -> None:
-        """Before sublayer l reads: at a boundary the partial becomes a committed source."""
+    def commit_block(self) -> None:
+        """At a boundary the partial becomes a committed source."""
         if self.l in self.policy.boundaries and self.partial is not None:
             self.sources.append(self.new_source())
             self.partial = None
+
+    def commit(self) -> None:
+        """Before sublayer l reads (unless the policy commits after the read: then add() does)."""
+        if not self.policy.commit_after_read:
+            self.commit_block()
 
     def input(self, norm: nn.Module | None = None) -> Tensor:
         """The input of sublayer l: h~ (baseline), h~ + g r (additive) or r (replacement), passed through the
         sublayer's pre-norm if one is given (the kernel path fuses the read with that norm)."""
         self.commit()
-        if self.policy.read == "none":
+        if not self.reads():
             x = self.h
         else:
-            router = self.routers[self.l]
+            router = self.router()
             r = self.read(router)
             x = r if self.policy.read == "replace" else self.h + (r if router.gate is None else router.gate * r)
         return x if norm is None else norm(x)
 
     def add(self, v: Tensor) -> None:
         """Hand over sublayer l's output v_l: h~_{l+1} = h~_l + v_l (never h^_l + v_l)."""
+        if self.policy.commit_after_read:
+            self.commit_block()               # h~ is still the stream at the boundary: v_l is not in the block
         self.h = self.h + v
         if self.tracks_sources:
             self.partial = v if self.partial is None else self.partial + v
@@ -188,5 +241,5 @@ class DepthState:
     def output(self, norm: nn.Module | None = None) -> Tensor:
         """The input of the final norm (or its output, if `norm` is given): the stream, or a final read over
         every source (AttnRes)."""
-        x = self.read(self.routers[self.l]) if self.policy.final_read else self.h
+        x = self.read(self.router()) if self.policy.final_read else self.h
         return x if norm is None else norm(x)

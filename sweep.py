@@ -1,9 +1,10 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python sweep.py                        # every run into runs/sweep (about 40 min on 2 cores), then its table
+    python sweep.py                        # every run into runs/sweep (about 50 min on 2 cores), then its table
                                            # compared with the committed results/sweep (runs/sweep/compare.md)
     python sweep.py --out results/sweep    # the same into the committed folder (what was published)
     python sweep.py --report_only          # rewrite the table, JSON and plots from the finished runs
+    python sweep.py --depth --jobs=1       # the depth sweep into runs/depth_sweep (about 2 h on one core)
 
 One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and four comparisons:
   Table 1   baseline, attnres, full_attnres, delta, delta_block, delta_block with the paper's sources;
@@ -11,7 +12,10 @@ One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and 
   Table 4   delta_block with 1, 2, 4, 6, 12 blocks and delta (the fine-grained end), seed 0;
   wall      baseline, delta, delta_block with the same time_budget_s (the baseline's equal-steps wall time);
             each method's cosine schedule is as long as the steps its Table 1 run made in that time;
-  gate      delta_block with gate=True against Table 1's ungated seed-0 run.
+  init      delta_block's query init (zero or N(0, 0.02)) with and without gate=True, 3 seeds.
+--depth trains another plan: the paper's depth claim (AttnRes falls behind the baseline at 36 layers, additive
+routing does not) on configs/sweep_depth.py (d = 32): baseline, attnres, delta_block and delta at 36 and at 12
+layers, equal steps, 3 seeds each; its plots add depth.png (the paired PPL change vs the baseline by depth).
 Two runs train at once, one thread each (--jobs, --threads); runs shared between tables are trained once.
 A run whose log.jsonl has its final record is skipped, so an interrupted sweep continues where it stopped.
 Writes OUT/runs/<run>/ (log.jsonl, stdout.txt, routing.json, checkpoint), OUT/results.json, OUT/table.md and
@@ -38,7 +42,6 @@ import numpy as np
 import torch
 
 CONFIG = "configs/sweep_l12.py"
-COMMITTED = "results/sweep/results.json"   # the published sweep; a new one is compared with it
 SEEDS = (0, 1, 2)
 MEMORY_SHAPE = (2, 64)   # (batch, seq_len) of the saved-bytes count: per-token ratios do not depend on it
 
@@ -50,16 +53,32 @@ METHODS = {
     "full_attnres": ("full_attnres", {"residual": "full_attnres"}, 2.8),
     "delta": ("delta", {"residual": "delta"}, 2.6),
     "delta_block": ("delta_block", {"residual": "delta_block"}, 1.35),
-    "delta_block (paper sources)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
+    "delta_block (the authors' variant)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
 }
+# The initialisation rows besides Table 1's delta_block (zero queries, no gate): (label, run-name slug, overrides).
+INITS = [
+    ("delta_block, no gate, queries N(0, 0.02) (the authors' code)", "init_q002_delta_block",
+     {"query_init_std": 0.02}),
+    ("delta_block, gate=True, zero queries", "init_gate_q0_delta_block", {"gate": True, "query_init_std": 0.0}),
+    ("delta_block, gate=True, queries N(0, 0.02) (the gated default)", "init_gate_delta_block", {"gate": True}),
+]
+
+# The depth sweep (--depth): configs/sweep_depth.py at these depths, these methods; run times per step relative
+# to the 12-layer baseline, measured on one core (they order the queue and estimate the ETA).
+DEPTH_CONFIG = "configs/sweep_depth.py"
+DEPTHS = (36, 12)
+DEPTH_METHODS = ("baseline", "attnres", "delta_block", "delta")
+DEPTH_COSTS = {(36, "baseline"): 2.9, (36, "attnres"): 4.4, (36, "delta_block"): 4.9, (36, "delta"): 20.5,
+               (12, "baseline"): 1.0, (12, "attnres"): 1.6, (12, "delta_block"): 1.55, (12, "delta"): 3.0}
 
 
 @dataclass
 class Run:
     name: str                        # its out_dir under OUT/runs
-    overrides: dict                  # config keys on top of CONFIG
+    overrides: dict                  # config keys on top of `config`
     cost: float = 1.0                # expected wall time relative to an equal-steps baseline run
     pace_from: tuple[str, ...] = ()  # equal wall-clock: the equal-steps runs whose pace sets max_steps
+    config: str = CONFIG             # the config file the run starts from
 
 
 @dataclass
@@ -67,9 +86,23 @@ class Section:
     title: str
     note: str
     rows: list[tuple[str, list[str]]]   # (label, run names); the first row is the reference (baseline)
+    plots: tuple[str, ...] = ()         # "curves" (val loss over seeds), "blocks" (PPL vs sources), "depth"
+                                        # (PPL change vs the baseline against the layers of every "depth" section)
 
 
-def full_plan() -> tuple[list[Run], list[Section]]:
+@dataclass
+class Plan:
+    name: str                # runs go to runs/NAME by default; the published sweep is results/NAME
+    config: str              # the model the runs start from
+    runs: list[Run]
+    sections: list[Section]
+
+    @property
+    def committed(self) -> str:
+        return os.path.join("results", self.name, "results.json")
+
+
+def full_plan() -> Plan:
     runs, t1 = [], []
     for label, (slug, overrides, cost) in METHODS.items():
         names = [f"t1_{slug}_s{s}" for s in SEEDS]
@@ -87,20 +120,45 @@ def full_plan() -> tuple[list[Run], list[Section]]:
         slug, overrides, _ = METHODS[label]
         runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0, pace_from=tuple(f"t1_{slug}_s{s}" for s in SEEDS)))
         wall.append((label, [f"wall_{slug}_s0"]))
-    runs.append(Run("gate_delta_block_s0", {"residual": "delta_block", "gate": True, "seed": 0}, 1.35))
-    gate = [("baseline", ["t1_baseline_s0"]), ("delta_block, no gate (zero queries)", ["t1_delta_block_s0"]),
-            ("delta_block, gate=True (exact identity at init)", ["gate_delta_block_s0"])]
+    init = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS]),
+            ("delta_block, no gate, zero queries (the paper's init)", [f"t1_delta_block_s{s}" for s in SEEDS])]
+    for label, slug, overrides in INITS:
+        names = [f"{slug}_s{s}" for s in SEEDS]
+        runs += [Run(n, {"residual": "delta_block", **overrides, "seed": s}, 1.35) for n, s in zip(names, SEEDS)]
+        init.append((label, names))
     sections = [
         Section("Table 1 in miniature: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the change vs "
-                "the baseline is paired by seed (same init and data order).", t1),
+                "the baseline is paired by seed (same init and data order).", t1, ("curves",)),
         Section("Table 4 in miniature: number of blocks (L = 12), seed 0", "K blocks give K + 1 sources to the "
-                "last sublayer; the fine-grained delta reads up to 2L + 1 = 25.", t4),
+                "last sublayer; the fine-grained delta reads up to 2L + 1 = 25.", t4, ("blocks",)),
         Section("Equal wall-clock, seed 0", "Same time_budget_s for every method (the baseline's equal-steps "
                 "wall time); each method's schedule is as long as the steps it makes in that time.", wall),
-        Section("Initialisation: gated vs ungated delta_block, seed 0", "gate=True starts as the baseline bit "
-                "for bit; without it the boundary sources give a near-identity.", gate),
+        Section("Initialisation: query init and gate of delta_block, 3 seeds", "gate=True starts as the baseline "
+                "bit for bit; with zero queries its gate gets no useful gradient (the read is c h~ and the pre-norm "
+                "is scale invariant), so gate=True defaults to queries drawn from N(0, 0.02). Without a gate the "
+                "boundary sources give a near-identity at any query init.", init),
     ]
-    return runs, sections
+    return Plan("sweep", CONFIG, runs, sections)
+
+
+def depth_plan() -> Plan:
+    """The paper's depth claim: the same four methods at 36 layers (the 1044M depth) and at 12, with the same
+    width and steps, 3 seeds each."""
+    sections = []
+    runs = []
+    for n_layers in DEPTHS:
+        rows = []
+        for label in DEPTH_METHODS:
+            slug, overrides, _ = METHODS[label]
+            names = [f"l{n_layers}_{slug}_s{s}" for s in SEEDS]
+            cost = DEPTH_COSTS[(n_layers, label)]
+            runs += [Run(n, {**overrides, "n_layers": n_layers, "seed": s}, cost, config=DEPTH_CONFIG)
+                     for n, s in zip(names, SEEDS)]
+            rows.append((label, names))
+        plots = ("curves", "depth") if n_layers == DEPTHS[0] else ("depth",)
+        sections.append(Section(f"{n_layers} layers: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the "
+                                "change vs the baseline is paired by seed (same init and data order).", rows, plots))
+    return Plan("depth_sweep", DEPTH_CONFIG, runs, sections)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -130,7 +188,7 @@ def train_one(argv: list[str], out_dir: str, threads: int) -> dict:
 
 def run_argv(run: Run, out: str, extra: dict | None = None) -> list[str]:
     values = {**run.overrides, **(extra or {}), "out_dir": os.path.join(out, "runs", run.name)}
-    return [CONFIG] + [f"--{k}={v}" for k, v in values.items()]
+    return [run.config] + [f"--{k}={v}" for k, v in values.items()]
 
 
 def pace(run: Run, out: str, budget_s: float) -> dict:
@@ -233,7 +291,12 @@ def _now(fn, *args):
 
 def model_config(run: Run):
     import train
-    return train.load_config([CONFIG] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
+    return train.load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
+
+
+def train_config(run: Run):
+    import train
+    return train.load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[1]
 
 
 def saved_bytes_for(configs: dict[str, dict], kernel: str) -> dict[str, int]:
@@ -309,6 +372,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: dict) -> list[dict]:
     """One dict per row with every table column; rows whose runs are not all finished are left out."""
     ref = {runs[n].overrides["seed"]: figures[n] for n in section.rows[0][1] if figures.get(n)}
+    ref_key = memory_key(runs[section.rows[0][1][0]])
     ref_speed = np.mean([f["tok_per_s"] for f in ref.values()]) if ref else float("nan")
     rows = []
     for label, names in section.rows:
@@ -324,26 +388,28 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
         key = memory_key(runs[names[0]])
         cfg = model_config(runs[names[0]])
         rows.append({
-            "label": label, "runs": names, "residual": cfg.residual, "sources": n_sources(cfg), "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
+            "label": label, "runs": names, "residual": cfg.residual, "n_layers": cfg.n_layers,
+            "sources": n_sources(cfg), "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
             "wall_s": float(np.mean([f["wall_s"] for f in got])), "val_ppl": ppl, "val_ppl_std": ppl_std,
             "ppl_change_pct": change_mean, "ppl_change_pct_std": change_std,
             "tok_per_s_rel": float(np.mean([f["tok_per_s"] for f in got]) / ref_speed),
-            "saved_bytes_rel": {k: v[key] / v["baseline"] for k, v in memory.items() if isinstance(v, dict)},
+            "saved_bytes_rel": {k: v[key] / v[ref_key] for k, v in memory.items() if isinstance(v, dict)},
             "mean_max_weight": float(np.mean([r["mean_max_weight"] for r in routed])) if routed else None,
             "mean_entropy": float(np.mean([r["mean_entropy"] for r in routed])) if routed else None})
     return rows
 
 
 def n_sources(cfg) -> int:
-    """Sources as Table 4 counts them: K + 1 for K blocks (the partial included), 2L + 1 fine-grained."""
-    return {"baseline": 0, "attnres": cfg.n_blocks + 1, "delta_block": cfg.n_blocks + 1}.get(
-        cfg.residual, 2 * cfg.n_layers + 1)
+    """Sources as Table 4 counts them: K + 1 for K blocks (the partial included; the paper's variant has none),
+    2L + 1 fine-grained."""
+    blocks = cfg.n_blocks + int(cfg.residual == "attnres" or (cfg.include_partial and cfg.block_source == "boundary"))
+    return {"baseline": 0, "attnres": blocks, "delta_block": blocks}.get(cfg.residual, 2 * cfg.n_layers + 1)
 
 
 def memory_key(run: Run) -> str:
-    """The name of the model a run trains, as far as memory goes: method, blocks, sources, gate."""
+    """The name of the model a run trains, as far as memory goes: depth, method, blocks, sources, gate."""
     cfg = model_config(run)
-    key = cfg.residual
+    key = f"L{cfg.n_layers}/{cfg.residual}"
     if cfg.residual in ("attnres", "delta_block"):
         key += f"/K{cfg.n_blocks}"
     if cfg.residual == "delta_block":
@@ -385,16 +451,10 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
     return "\n".join(lines) + "\n"
 
 
-def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, out: str) -> list[str]:
-    """val_loss.png (Table 1 curves with min-max seed bands), blocks.png (PPL vs sources), routing_*.png."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import eval as evaluation
-
-    paths = []
+def plot_curves(section: Section, figures: dict, path: str, plt) -> bool:
+    """Validation loss over steps, mean and min-max band over seeds, per row; and its second half zoomed."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for label, names in sections[0].rows:
+    for label, names in section.rows:
         curves = [np.array(figures[n]["curve"]) for n in names if figures.get(n)]
         if not curves or len({len(c) for c in curves}) > 1:
             continue
@@ -402,42 +462,90 @@ def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, ou
         for ax in axes:
             line, = ax.plot(steps, losses.mean(0), "o-", ms=3, label=f"{label} ({len(curves)} seeds)")
             ax.fill_between(steps, losses.min(0), losses.max(0), color=line.get_color(), alpha=0.2)
-    if axes[0].lines:
+    drawn = bool(axes[0].lines)
+    if drawn:
         half = axes[0].lines[0].get_xdata()[len(axes[0].lines[0].get_xdata()) // 2]
         tail = [y for line in axes[1].lines for x, y in zip(line.get_xdata(), line.get_ydata()) if x >= half]
         axes[1].set(xlim=(half, None), ylim=(min(tail) - 0.01, max(tail) + 0.01), title="second half, zoomed")
-        axes[0].set(title="validation loss, mean and min-max over seeds")
+        axes[0].set(title=f"{section.title.split(':')[0]}: validation loss, mean and min-max over seeds")
         for ax in axes:
             ax.set(xlabel="step", ylabel="val loss (nats/token)")
         axes[0].legend(fontsize=8)
         fig.tight_layout()
-        paths.append(os.path.join(out, "val_loss.png"))
-        fig.savefig(paths[-1], dpi=120)
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return drawn
+
+
+def plot_blocks(blocks: list[dict], reference: dict, seed_std: dict[str, float], path: str, plt) -> None:
+    """Table 4: PPL against the number of sources, one seed; bars are Table 1's seed std of the method."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    sources = [r["sources"] for r in blocks]
+    ax.errorbar(sources, [r["val_ppl"] for r in blocks], yerr=[seed_std.get(r["residual"], 0.0) for r in blocks],
+                fmt="o-", capsize=3, label="delta_block with K blocks (K + 1 sources), then delta; seed 0\n"
+                                             "bars: Table 1's std over seeds")
+    ax.annotate("delta (fine-grained)", (sources[-1], blocks[-1]["val_ppl"]), fontsize=8,
+                textcoords="offset points", xytext=(-90, 8))
+    ax.axhline(reference["val_ppl"], ls="--", color="gray", label="baseline, seed 0")
+    ax.set(xscale="log", xlabel="sources (K + 1 for K blocks; 2L + 1 fine-grained, as the paper counts)",
+           ylabel="val PPL", title="PPL vs number of blocks")
+    ax.set_xticks(sources, [str(x) for x in sources])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
-    blocks = [r for r in rows.get(sections[1].title, []) if r["label"] != "baseline"] if len(sections) > 1 else []
-    if blocks:
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        sources = [r["sources"] for r in blocks]
-        # Table 4 is one seed: the bars are Table 1's seed-to-seed std of the same method (a scale for noise).
-        t1 = {r["label"]: r for r in rows[sections[0].title]}
-        noise = [t1.get(r["residual"], {}).get("val_ppl_std", 0.0) for r in blocks]
-        ax.errorbar(sources, [r["val_ppl"] for r in blocks], yerr=noise, fmt="o-", capsize=3,
-                    label="delta_block with K blocks (K + 1 sources), then delta; seed 0\n"
-                          "bars: Table 1's std over seeds")
-        ax.annotate("delta (fine-grained)", (sources[-1], blocks[-1]["val_ppl"]), fontsize=8,
-                    textcoords="offset points", xytext=(-90, 8))
-        reference = rows[sections[1].title][0]
-        ax.axhline(reference["val_ppl"], ls="--", color="gray", label="baseline, seed 0")
-        ax.set(xscale="log", xlabel="sources (K + 1 for K blocks; 2L + 1 fine-grained, as the paper counts)",
-               ylabel="val PPL", title="PPL vs number of blocks")
-        ax.set_xticks(sources, [str(x) for x in sources])
-        ax.minorticks_off()
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(os.path.join(out, "blocks.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+
+def plot_depth(sections: list[list[dict]], path: str, plt) -> None:
+    """Each routed method's PPL change vs the baseline (paired by seed: mean ± std) against the number of layers."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    labels = [r["label"] for r in sections[0][1:]]
+    for i, label in enumerate(labels):
+        points = sorted((r["n_layers"], r["ppl_change_pct"], r["ppl_change_pct_std"], len(r["runs"]))
+                        for rows in sections for r in rows if r["label"] == label)
+        if len(points) != len(sections):
+            raise ValueError(f"{label!r} is in {len(points)} of the {len(sections)} depth sections")
+        layers, change, std, seeds = map(np.array, zip(*points))
+        ax.errorbar(layers + 0.4 * (i - (len(labels) - 1) / 2), change, yerr=std, fmt="o-", capsize=3,
+                    label=f"{label} ({seeds.min()} seeds)")
+    ax.axhline(0.0, ls="--", color="gray", label="baseline")
+    depths = sorted({r["n_layers"] for rows in sections for r in rows})
+    ax.set_xticks(depths, [str(x) for x in depths])
+    ax.set(xlabel="layers (same width, steps and data)", ylabel="val PPL vs baseline (%), mean ± std over seeds",
+           title="PPL change vs the baseline by depth (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, out: str) -> list[str]:
+    """The plots the sections ask for: val_loss.png ("curves"; val_loss_<i>.png for a later one), blocks.png,
+    depth.png (every "depth" section in one), and routing_*.png (attnres vs delta_block of the first section)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import eval as evaluation
+
+    paths = []
+    curves = [s for s in sections if "curves" in s.plots]
+    for i, section in enumerate(curves):
+        path = os.path.join(out, "val_loss.png" if i == 0 else f"val_loss_{i}.png")
+        if plot_curves(section, figures, path, plt):
+            paths.append(path)
+    seed_std = {r["residual"]: r["val_ppl_std"] for r in rows[sections[0].title] if len(r["runs"]) > 1}
+    for section in sections:
+        blocks = [r for r in rows.get(section.title, []) if r["label"] != "baseline"]
+        if "blocks" in section.plots and blocks:
+            paths.append(os.path.join(out, "blocks.png"))
+            plot_blocks(blocks, rows[section.title][0], seed_std, paths[-1], plt)
+    depth = [rows.get(s.title, []) for s in sections if "depth" in s.plots]
+    finished = set.intersection(*({r["label"] for r in d} for d in depth)) if depth else set()
+    depth = [[r for r in d if r["label"] in finished] for d in depth]   # methods finished at every depth
+    if depth and len(depth[0]) > 1 and depth[0][0]["label"] == "baseline":
+        paths.append(os.path.join(out, "depth.png"))
+        plot_depth(depth, paths[-1], plt)
 
     routed = {label: figures[names[0]]["routing"] for label, names in sections[0].rows
               if label in ("attnres", "delta_block") and figures.get(names[0])}
@@ -460,9 +568,9 @@ def git(*args: str) -> str:
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 
 
-def summarise(runs: list[Run], sections: list[Section], out: str, triton: bool, invocation_s: float,
-              command: str) -> dict:
-    """Write OUT/results.json, OUT/table.md and the plots from whatever runs have finished."""
+def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: str) -> dict:
+    """Write OUT/results.json, OUT/table.md and the plots from whatever runs of the plan have finished."""
+    runs, sections = plan.runs, plan.sections
     by_name = {r.name: r for r in runs}
     figures = {r.name: run_figures(r, out) for r in runs}
     configs = {memory_key(r): asdict(model_config(r)) for r in runs}
@@ -470,10 +578,11 @@ def summarise(runs: list[Run], sections: list[Section], out: str, triton: bool, 
     memory["triton"] = saved_bytes_triton(configs, 300) if triton else "not measured (--no_triton)"
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
     import train
-    model_cfg, train_cfg = train.load_config([CONFIG])
+    model_cfg, train_cfg = train.load_config([plan.config])
+    layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
     meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": CONFIG,
-            "model": f"L={model_cfg.n_layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
+            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
+            "model": f"L={layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
                      f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",
             "invocation_wall_s": invocation_s,
             "train_wall_s_sum": sum(f["wall_s"] for f in figures.values() if f)}
@@ -546,22 +655,25 @@ def compare_markdown(rows: list[dict], new: dict, old: dict, old_path: str, with
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/sweep", help="results folder; runs go to OUT/runs/<name>")
-    p.add_argument("--compare", default=COMMITTED, help="a results.json to compare the table with "
-                   "('' for none); written to OUT/compare.md")
+    p.add_argument("--depth", action="store_true", help="the depth sweep (36 and 12 layers) instead of the tables")
+    p.add_argument("--out", help="results folder (default runs/sweep or runs/depth_sweep); runs go to OUT/runs/<name>")
+    p.add_argument("--compare", help="a results.json to compare the table with (default: the committed "
+                   "results/sweep or results/depth_sweep; '' for none); written to OUT/compare.md")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one process each)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--budget_s", type=float, help="equal wall-clock budget (default: the baseline's wall time)")
     p.add_argument("--report_only", action="store_true", help="write the table, JSON and plots; train nothing")
     p.add_argument("--no_triton", action="store_true", help="skip the kernel path's memory count")
     args = p.parse_args(argv)
-    if args.compare and args.compare != COMMITTED and not os.path.isfile(args.compare):
+    if args.compare and not os.path.isfile(args.compare):
         p.error(f"--compare: no results file at {args.compare}")
+    plan = depth_plan() if args.depth else full_plan()
+    args.out = args.out or os.path.join("runs", plan.name)
+    args.compare = plan.committed if args.compare is None else args.compare
     start = time.time()
-    runs, sections = full_plan()
-    failed = [] if args.report_only else execute(runs, args.out, args.jobs, args.threads, args.budget_s)
+    failed = [] if args.report_only else execute(plan.runs, args.out, args.jobs, args.threads, args.budget_s)
     torch.set_num_threads(max(1, args.jobs * args.threads))
-    results = summarise(runs, sections, args.out, not args.no_triton, time.time() - start,
+    results = summarise(plan, args.out, not args.no_triton, time.time() - start,
                         "python sweep.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'table.md')}, "
           f"{', '.join(results['plots'])} | {_clock(time.time() - start)}")

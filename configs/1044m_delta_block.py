@@ -1,3 +1,4 @@
 from configs.size_1044m import *  # noqa: F401,F403
 
 residual = "delta_block"
+n_blocks = 4                 # the paper does not say; the authors' scripts default to 4 blocks (9 layers each)

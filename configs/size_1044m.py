@@ -7,4 +7,3 @@ n_heads = 20
 n_kv_heads = 4
 head_dim = 64
 d_ff = 5120
-n_blocks = 8                 # about Kimi's 8 blocks: blocks of 4-5 layers

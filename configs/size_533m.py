@@ -7,4 +7,3 @@ n_heads = 16
 n_kv_heads = 8
 head_dim = 64
 d_ff = 4096
-n_blocks = 8                 # blocks of 3 layers

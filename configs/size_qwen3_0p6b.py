@@ -8,7 +8,6 @@ n_heads = 16
 n_kv_heads = 8
 head_dim = 64
 d_ff = 3072
-n_blocks = 28                # Table 2: a block per layer
 batch_size = 64
 micro_batch_size = 8
 seq_len = 2048

@@ -7,7 +7,6 @@ n_heads = 32
 n_kv_heads = 8
 head_dim = 128
 d_ff = 12288
-n_blocks = 8
 batch_size = 64
 micro_batch_size = 2         # gradient accumulation 4 on 8 GPUs
 seq_len = 2048

@@ -8,6 +8,7 @@ n_kv_heads = 2
 head_dim = 32
 d_ff = 384
 n_blocks = 4                 # blocks of 2 layers
+block_split = "even"         # the same blocks as the authors' ceil(L / K) split, since 4 divides 8
 data = "shakespeare"
 batch_size = 16
 seq_len = 128

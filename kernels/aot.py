@@ -40,13 +40,13 @@ from model import ModelConfig
 TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 PAPER_WIDTHS = (768, 1024, 1280, 4096)      # d of the 220M, 533M / 0.6B, 1044M and 8B configs
-REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 # every routing option the model has, so every kernel variant it can launch is compiled
 VARIANTS = [dict(residual="attnres"), dict(residual="full_attnres", null_source=True), dict(residual="delta"),
             dict(residual="delta", null_source=True, gate=True), dict(residual="delta_block"),
             dict(residual="delta_block", block_source="paper"), dict(residual="delta_block", include_partial=False),
-            dict(residual="delta_block", null_source=True, gate=True)]
+            dict(residual="delta_block", null_source=True, gate=True),
+            dict(residual="delta_block", null_source=True, learned_null=True)]
 _BITS = {"8": 8, "16": 16, "32": 32, "64": 64}
 
 
@@ -150,7 +150,7 @@ def programs_per_sm(name: str) -> int:
 
 def register_bound(num_warps: int, programs: int = 2) -> int:
     """Registers per thread that let `programs` programs of num_warps warps share an SM (255 at most)."""
-    return min(255, REGISTERS_PER_SM // (programs * 32 * num_warps))
+    return depth_route.register_budget(num_warps, programs)
 
 
 def check(c: Compiled) -> list[str]:

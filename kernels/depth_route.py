@@ -306,6 +306,13 @@ def _check(table: SourceTable, query: Tensor, norm_weight: Tensor, diff: tuple[T
 PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/aot.py checks registers against
 
 
+def register_budget(num_warps: int, programs_per_sm: int) -> int:
+    """Registers per thread that let `programs_per_sm` programs of num_warps warps share an SM (65,536
+    registers per SM on sm_90; 255 at most). Passed to ptxas as the kernel's limit: left alone, ptxas caps some
+    of these kernels at 128 and spills rather than use what one program per SM may."""
+    return min(255, 65536 // (programs_per_sm * 32 * num_warps))
+
+
 def _config(M: int, d: int, backward: bool = False) -> dict:
     """Tile and launch shape. BLOCK_D covers a whole row (the norm needs it). On a GPU, rows per program and
     warps are chosen per width so that each thread holds 16 fp32 values of a tile (8 at d > 2048, where the
@@ -318,7 +325,8 @@ def _config(M: int, d: int, backward: bool = False) -> dict:
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
     warps = 4 if block_d <= 1024 else 8
     block_m = max(1, min(16, 16 * 32 * warps // block_d))
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward else 3, num_warps=warps)
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward else 3, num_warps=warps,
+                maxnreg=register_budget(warps, PROGRAMS_PER_SM["_route_bwd" if backward else "_route_fwd"]))
 
 
 def _diff(diff: tuple[Tensor, Tensor] | None, first: Tensor) -> tuple[Tensor, Tensor]:

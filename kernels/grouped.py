@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.depth_route import (DTYPES, SourceTable, _diff_source, _folded_query, _interpreting, _launch, _logit,
-                                 _softmax_step, _source_grad, _table_source)
+                                 _softmax_step, _source_grad, _table_source, register_budget)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -168,14 +168,27 @@ def _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, 
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "null"])
+@triton.jit
+def _null_source(null_ptr, NULL: tl.constexpr, u, cols, d, eps):
+    """The null source (BLOCK_D,) and its logit: the receiver's learned vector (NULL == 2), or zero (value 0,
+    logit 0) otherwise."""
+    if NULL == 2:
+        n = tl.load(null_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    else:
+        n = tl.zeros((u.shape[0],), tl.float32)
+    rstd = tl.rsqrt(tl.sum(n * n, axis=0) / d + eps)
+    return n, tl.sum(n * u, axis=0) * rstd, rstd
+
+
+@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
 def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, y_ptr, lse_ptr, null, M, d, eps, norm_eps,
+                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-    """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ null], mixed
-    and normalised: y = RMSNorm_w(x) written to y_ptr, the full lse to lse_ptr + slot M."""
+                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+    """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
+    source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
+    the full lse to lse_ptr + slot M."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
@@ -196,12 +209,9 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     if HAS_DIFF:                          # the partial block h - base
         p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m, l, acc = _softmax_step(m, l, acc, p, _logit(p, u, d, eps)[0])
-    if null != 0:                         # logit 0, value 0: only the normaliser changes
-        m_new = tl.maximum(m, 0.0)
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.exp(-m_new)
-        acc = acc * alpha[:, None]
-        m = m_new
+    if NULL != 0:                         # the null source: 0 (none), 1 (zero), 2 (learned, at null_ptr)
+        n, e_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
+        m, l, acc = _softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + e_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
@@ -215,10 +225,11 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                              "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
                   has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, go_ptr, D_ptr,
-                  dsum_ptr, dsum_lo, dsum_hi, du_ptr, dw_ptr, dgate_ptr, tiles, accumulate, M, d, eps, norm_eps,
+                  dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles,
+                  accumulate, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at dbase_ptr, the table sources'
@@ -229,6 +240,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     u = _folded_query(q_ptr, g_ptr, cols, d)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
+    if NULL == 2:                         # the learned null's vector and logit
+        n, e_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
     du = tl.zeros((BLOCK_D,), tl.float32)
     dw = tl.zeros((BLOCK_D,), tl.float32)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
@@ -237,7 +250,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         row_ok = rows < M
         mask = row_ok[:, None] & (cols < d)[None, :]
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-        lse = tl.load(lse_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=0.0)
+        lse = tl.load(lse_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=float("inf"))  # rows past M:
+        # every weight exp(z - lse) is 0, so nothing there overflows into the sums over rows
         # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(e_i - lse) s_i (+ the partial block's term)
         m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                                BLOCK_D)
@@ -255,6 +269,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         if HAS_DIFF:
             p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             r += tl.exp(_logit(p, u, d, eps)[0] - lse)[:, None] * p
+        if NULL == 2:
+            r += tl.exp(e_n - lse)[:, None] * n[None, :]
         r_mixed = r.to(R_DTYPE).to(tl.float32)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
         x = _mix(h, r_mixed, gate, ADD, X_DTYPE)
@@ -340,8 +356,10 @@ def _group_config(d: int, backward: bool) -> dict:
     if _interpreting():
         return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4)
     if backward:
-        return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=2, num_warps=8)
-    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=4, num_warps=16)
+        return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=2, num_warps=8,
+                    maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
+    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=4, num_warps=16,
+                maxnreg=register_budget(16, PROGRAMS_PER_SM["_group_fwd"]))
 
 
 def receivers_per_pass(d: int) -> int:
@@ -360,7 +378,9 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
     warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
     per_thread = 8 if backward or wide else 16
     block_m = max(1, min(16, per_thread * 32 * warps // block_d))
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward or wide else 3, num_warps=warps)
+    kernel = "_receiver_bwd" if backward else "_receiver_fwd"
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward or wide else 3, num_warps=warps,
+                maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
 
 
 def _tiles(n_tiles: int, kernel: str, device: torch.device) -> tuple[int, int]:
@@ -419,6 +439,29 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     return du.sum(1).flatten(0, 1)[:n_recv, :d]
 
 
+def _null_args(null: Tensor | bool, placeholder: Tensor) -> dict:
+    """The null-source arguments: none (0), zero (1) or a learned vector (2)."""
+    if isinstance(null, Tensor):
+        return dict(null_ptr=null, NULL=2)
+    return dict(null_ptr=placeholder, NULL=int(bool(null)))
+
+
+def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
+                       lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
+    the softmax backward of a source that is the same vector n at every row,
+    dn = sum_rows a go + (sum_rows de rstd) u - (sum_rows de rstd) e rstd n / d and du += (sum_rows de rstd) n,
+    with a = exp(e - lse), de rstd = a (go . n - D) rstd (a few (M,) and (d,) ops: an option, not the paper's)."""
+    n, u = null.float(), query.float() * norm_weight.float()
+    rstd = torch.rsqrt(n.pow(2).mean() + eps)
+    e = (n @ u) * rstd
+    a = torch.exp(e - lse)                                                 # (M,)
+    go = go.float()
+    de_rstd = a * (go @ n - D) * rstd
+    c = de_rstd.sum()
+    return a @ go + c * u - c * e * rstd / n.numel() * n, c * n
+
+
 def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
     """Address table arguments; a receiver with no sources of its own gets an empty table."""
     if table is None:
@@ -429,10 +472,11 @@ def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
 
 def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor,
                      h: Tensor, base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None,
-                     weight: Tensor, eps: float, norm_eps: float, null: bool, add: bool, r_dtype: torch.dtype,
-                     x_dtype: torch.dtype, y_dtype: torch.dtype) -> Tensor:
+                     weight: Tensor, eps: float, norm_eps: float, null: Tensor | bool, add: bool,
+                     r_dtype: torch.dtype, x_dtype: torch.dtype, y_dtype: torch.dtype) -> Tensor:
     """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [state slot] + table sources
-    [+ h - base] [+ null]; writes lse[slot]. h (B, T, d) is the stream (and the partial block's minuend);
+    [+ h - base] [+ a null source: zero if null is True, the (d,) vector if null is a tensor]; writes
+    lse[slot]. h (B, T, d) is the stream (and the partial block's minuend);
     r and x are rounded to r_dtype and x_dtype where the reference rounds them."""
     M, d = h.numel() // h.shape[-1], h.shape[-1]
     y = torch.empty(h.shape, dtype=y_dtype, device=h.device)
@@ -443,7 +487,7 @@ def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Ten
             **_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot,
             slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
             gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, y_ptr=y,
-            lse_ptr=lse, null=int(null), M=M, d=d, eps=eps,
+            lse_ptr=lse, **_null_args(null, weight), M=M, d=d, eps=eps,
             norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None,
             HAS_DIFF=base is not None, ADD=add, **cfg)
     return y
@@ -454,11 +498,13 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
                       weight: Tensor, eps: float, norm_eps: float, add: bool, r_dtype: torch.dtype,
                       x_dtype: torch.dtype, dy: Tensor,
                       accumulators: tuple[Tensor, Tensor, int, int], accumulate: bool, go: Tensor | None,
-                      D: Tensor | None, dbase: Tensor | None, dsum: tuple[Tensor, int, int] | None = None) -> dict:
+                      D: Tensor | None, dbase: Tensor | None, dsum: tuple[Tensor, int, int] | None = None,
+                      null: Tensor | bool = False) -> dict:
     """Backward of receiver_forward. The table sources' gradients go into `accumulators` (written, or added
     to when `accumulate`); go[slot], D[slot] are written for phase 1's backward when there is a state;
     dbase receives -dL/d(partial block); dsum = (buffer, lo, hi): slots lo..hi-1 of buffer are added to dh.
-    Returns {"dh", "du", "dweight", "dgate"} (dh None when h is unused)."""
+    Returns {"dh", "du", "dweight", "dgate"} (dh None when h is unused). A learned null's own gradient and
+    its du term are left to `learned_null_grads`, from go, D and lse."""
     M, d = h.numel() // h.shape[-1], h.shape[-1]
     cfg = _receiver_config(M, d, backward=True)
     programs, tiles = _tiles(triton.cdiv(M, cfg["BLOCK_M"]), "_receiver_bwd", h.device)
@@ -486,7 +532,8 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
             lse_ptr=lse, acc_a_ptr=acc_a,
             acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
             dbase_ptr=dbase if dbase is not None else h, go_ptr=go if go is not None else h,
-            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
+            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
+            **_null_args(null, weight), du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
             accumulate=int(accumulate), M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype],
             X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add,
             SUMS=dsum is not None, **cfg)

@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernels.depth_route import SourceTable, _aligned, source_table
-from kernels.grouped import (group_backward, group_forward, receiver_backward, receiver_forward,
-                             receivers_per_pass, slot_view, slots)
+from kernels.grouped import (group_backward, group_forward, learned_null_grads, receiver_backward,
+                             receiver_forward, receivers_per_pass, slot_view, slots)
 from router import DepthState, Policy, Router
 
 
@@ -42,12 +42,19 @@ def fine_group_size(n_sublayers: int, d: int) -> int:
     return max(2, min(round(math.sqrt(3 * n_sublayers / 8)), receivers_per_pass(d)))
 
 
-def plan_groups(policy: Policy, n_receivers: int, group_size: int) -> list[int]:
+def commits_before(policy: Policy, n_sublayers: int) -> list[bool]:
+    """For each receiver (the reading sublayers, then the final read): whether a source is committed between
+    the previous receiver's read and its own (router.DepthState's commit and commit_after_read)."""
+    shift = int(policy.commit_after_read)   # committed after the boundary sublayer reads: seen from the next one
+    return [l - shift in policy.boundaries for l in range(policy.reads_from, n_sublayers + int(policy.final_read))]
+
+
+def plan_groups(commits: list[bool], group_size: int) -> list[int]:
     """The group of each receiver: a new group starts at a commit once the current one has seen
     group_size - 1 commits since it began (group_size 1: at every commit)."""
     plan, group, since = [], 0, 0
-    for l in range(n_receivers):
-        if l in policy.boundaries:
+    for i, commit in enumerate(commits):
+        if commit and i > 0:
             if since >= group_size - 1:
                 group, since = group + 1, 0
             else:
@@ -174,7 +181,7 @@ class Receiver:
     table: SourceTable | None
     first: int
     owned: list[int]
-    null: bool
+    null: bool                        # a zero null source (a learned one is an input of the node)
     add: bool
     accumulate: bool                  # False only for the very last receiver: its backward runs first
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
@@ -190,19 +197,20 @@ class ReceiverRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor,
-                norm_weight: Tensor, gate: Tensor | None, weight: Tensor, *owned: Tensor) -> Tensor:
+                norm_weight: Tensor, gate: Tensor | None, weight: Tensor, null: Tensor | None,
+                *owned: Tensor) -> Tensor:
         group = spec.group
         y_dtype = torch.promote_types(weight.dtype, spec.x_dtype)
         y = receiver_forward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query, norm_weight,
-                             gate, weight, spec.eps, spec.norm_eps, spec.null, spec.add, spec.r_dtype,
-                             spec.x_dtype, y_dtype)
-        ctx.save_for_backward(h, base, query, norm_weight, gate, weight)
+                             gate, weight, spec.eps, spec.norm_eps, null if null is not None else spec.null,
+                             spec.add, spec.r_dtype, spec.x_dtype, y_dtype)
+        ctx.save_for_backward(h, base, query, norm_weight, gate, weight, null)
         ctx.spec, ctx.bank = spec, bank
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        h, base, query, norm_weight, gate, weight = ctx.saved_tensors
+        h, base, query, norm_weight, gate, weight, null = ctx.saved_tensors
         spec, bank = ctx.spec, ctx.bank
         group = spec.group
         group.backward_buffers(h)
@@ -220,11 +228,18 @@ class ReceiverRead(torch.autograd.Function):
         out = receiver_backward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query,
                                 norm_weight, gate, weight, spec.eps, spec.norm_eps, spec.add, spec.r_dtype,
                                 spec.x_dtype, _aligned(dy), bank.pointers(spec.table, spec.first), spec.accumulate,
-                                group.go, group.D, dbase, dsum)
-        dquery, dnorm = (out["du"] * norm_weight.float()).to(query.dtype), (out["du"] * query.float()).to(norm_weight.dtype)
+                                group.go, group.D, dbase, dsum, null if null is not None else spec.null)
+        du, dnull = out["du"], None
+        if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
+            M = h.numel() // h.shape[-1]
+            dnull, du_null = learned_null_grads(null, query, norm_weight, spec.eps,
+                                                slot_view(group.go, spec.slot, h).view(M, -1), group.D[spec.slot],
+                                                group.lse[spec.slot])
+            du, dnull = du + du_null, dnull.to(null.dtype)
+        dquery, dnorm = (du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype)
         return (None, None, out["dh"], None if spec.base_to_group else dbase, None, dquery, dnorm,
                 None if gate is None else out["dgate"].to(gate.dtype).view(gate.shape), out["dweight"].to(weight.dtype),
-                *[bank.grad(k) for k in spec.owned])
+                dnull, *[bank.grad(k) for k in spec.owned])
 
 
 class GroupedDepthState(DepthState):
@@ -233,10 +248,11 @@ class GroupedDepthState(DepthState):
 
     def __init__(self, *args, group_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        n_receivers, n_sublayers = len(self.routers), len(self.routers) - int(self.policy.final_read)
-        fine = len(self.policy.boundaries) == n_sublayers - 1          # a source committed before every sublayer
+        n_sublayers = len(self.routers) + self.policy.reads_from - int(self.policy.final_read)
+        commits = commits_before(self.policy, n_sublayers)
+        fine = all(commits[1:])                                       # a source committed before every read
         size = group_size or (fine_group_size(n_sublayers, self.h.shape[-1]) if fine else 1)
-        self.plan = plan_groups(self.policy, n_receivers, size)
+        self.plan = plan_groups(commits, size)
         self.bank = GradBank(self.sources)
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None
@@ -244,6 +260,8 @@ class GroupedDepthState(DepthState):
         self.outputs_since_commit: list[Tensor] = []
 
     def add(self, v: Tensor) -> None:
+        if self.policy.commit_after_read:
+            self.commit_block()
         self.h = self.h + v
         if self.tracks_sources:
             self.partial = v              # marks a non-empty partial block; its value is h~ - block_start
@@ -257,9 +275,9 @@ class GroupedDepthState(DepthState):
             return self.outputs_since_commit[0]
         return (self.h - self.block_start).to(self.outputs_since_commit[-1].dtype)
 
-    def commit(self) -> None:
+    def commit_block(self) -> None:
         n = len(self.sources)
-        super().commit()
+        super().commit_block()
         if len(self.sources) > n:
             self.block_start, self.outputs_since_commit = self.h, []
 
@@ -269,12 +287,12 @@ class GroupedDepthState(DepthState):
         self.owned.update(new)
         return new
 
-    def _group_of(self, l: int) -> Group:
-        if self.group is None or self.plan[l] != self.group.index:
-            members = [i for i, g in enumerate(self.plan) if g == self.plan[l]]
+    def _group_of(self, receiver: int) -> Group:
+        if self.group is None or self.plan[receiver] != self.group.index:
+            members = [i for i, g in enumerate(self.plan) if g == self.plan[receiver]]
             routers = [self.routers[i] for i in members]
             committed = list(self.sources)
-            group = Group(self.plan[l], self.plan[l] == self.plan[-1], members[0], routers,
+            group = Group(self.plan[receiver], self.plan[receiver] == self.plan[-1], members[0], routers,
                           source_table(committed), len(committed), self.block_start, self.eps)
             owned = self._claim(range(len(committed)))
             group.output = GroupRead.apply(group, self.bank, owned, self.block_start,
@@ -283,10 +301,11 @@ class GroupedDepthState(DepthState):
         return self.group
 
     def _read(self, norm: nn.Module, add: bool) -> Tensor:
-        l, router = self.l, self.routers[self.l]
+        router = self.router()
+        receiver = self.l - self.policy.reads_from
         if self.observer is not None:
-            self.observer(l, self.candidates(), router)
-        group = self._group_of(l)
+            self.observer(self.l, self.candidates(router), router)
+        group = self._group_of(receiver)
         own = self.sources[group.n_committed:]
         owned = self._claim(range(group.n_committed, len(self.sources)))
         base = None
@@ -294,20 +313,22 @@ class GroupedDepthState(DepthState):
             base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
         base_to_group = base is group.base
         if base_to_group:
-            group.dbase_slots.append(l - group.first_receiver)
+            group.dbase_slots.append(receiver - group.first_receiver)
         r_dtype = self.sources[0].dtype
         x_dtype = r_dtype
         if add:
             x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
-        spec = Receiver(group, l - group.first_receiver, source_table(own) if own else None, group.n_committed,
-                        owned, self.policy.null_source, add, l != len(self.routers) - 1, base_to_group,
-                        l == group.first_receiver and self.h is group.base, self.eps, norm.eps, r_dtype, x_dtype)
+        spec = Receiver(group, receiver - group.first_receiver, source_table(own) if own else None,
+                        group.n_committed, owned, self.policy.null_source, add, receiver != len(self.routers) - 1,
+                        base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
+                        norm.eps, r_dtype, x_dtype)
+        learned_null = router.null if self.policy.null_source else None
         return ReceiverRead.apply(spec, self.bank, self.h, base, group.output, router.query, router.norm_weight,
-                                  router.gate, norm.weight, *[self.sources[k] for k in owned])
+                                  router.gate, norm.weight, learned_null, *[self.sources[k] for k in owned])
 
     def input(self, norm: nn.Module | None = None) -> Tensor:
-        if norm is None or self.policy.read == "none":
+        if norm is None or not self.reads():
             return super().input(norm)
         self.commit()
         return self._read(norm, add=self.policy.read == "add")

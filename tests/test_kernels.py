@@ -148,34 +148,38 @@ def test_kernel_on_cpu_without_interpreter_says_how_to_run():
 
 # ------------------------------------------------------------------------------ the fused read + pre-norm
 
-# (residual, policy options, group size of the grouped state (None: its own choice), gate)
-STATES = [("delta", {}, 3, False), ("delta", {"null_source": True}, 5, True), ("delta", {}, None, False),
-          ("full_attnres", {}, 2, False), ("delta_block", {"n_blocks": 3}, None, False),
-          ("delta_block", {"n_blocks": 2, "null_source": True}, None, True),
-          ("delta_block", {"n_blocks": 4, "include_partial": False}, None, False),
-          ("delta_block", {"n_blocks": 2, "block_source": "paper"}, None, False),
-          ("attnres", {"n_blocks": 3, "null_source": True}, None, False)]
+# (residual, policy options, group size of the grouped state (None: its own choice), router options)
+STATES = [("delta", {}, 3, {}), ("delta", {"null_source": True}, 5, {"gate": True}), ("delta", {}, None, {}),
+          ("full_attnres", {}, 2, {}), ("delta_block", {"n_blocks": 3}, None, {}),
+          ("delta_block", {"n_blocks": 2, "null_source": True}, None, {"gate": True}),
+          ("delta_block", {"n_blocks": 2, "null_source": True}, None, {"learned_null": True}),
+          ("delta_block", {"n_blocks": 4, "include_partial": False}, None, {}),
+          ("delta_block", {"n_blocks": 2, "block_source": "paper"}, None, {}),
+          ("delta_block", {"n_blocks": 3, "block_split": "ceil"}, None, {}),
+          ("attnres", {"n_blocks": 3, "null_source": True}, None, {})]
 
 
-def run_state(cls, residual, options, group_size, gate, scale):
+def run_state(cls, residual, options, group_size, router_options, scale):
     """A depth state driven through 4 layers of stand-in sublayers v = tanh(y W_l) (B = 2, T = 7, d = 96):
     every sublayer input y_l and the gradients of a loss over them, of the embedding, the maps, the routers
     and the pre-norm weights."""
     g = torch.Generator().manual_seed(3)
     n_layers, d = 4, 96
     policy = make_policy(residual, n_layers, **options)
-    n_receivers = policy.n_receivers(2 * n_layers)
-    routers = torch.nn.ModuleList(Router(d, gate) for _ in range(n_receivers))
-    norms = [RMSNorm(d, 1e-6) for _ in range(n_receivers)]
+    routers = torch.nn.ModuleList(Router(d, **{"gate": False, **router_options})
+                                  for _ in range(policy.n_receivers(2 * n_layers)))
+    norms = [RMSNorm(d, 1e-6) for _ in range(2 * n_layers + 1)]   # each sublayer's pre-norm, the final norm
     with torch.no_grad():
-        for r, norm in zip(routers, norms):
+        for r in routers:
             r.query.copy_(torch.randn(d, generator=g) * scale)
             r.norm_weight.copy_(1 + 0.2 * torch.randn(d, generator=g))
+            for p in (r.gate, r.null):
+                if p is not None:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.7)
+        for norm in norms:
             norm.weight.copy_(1 + 0.2 * torch.randn(d, generator=g))
-            if r.gate is not None:
-                r.gate.fill_(0.7)
     maps = [(torch.randn(d, d, generator=g) / d ** 0.5).requires_grad_() for _ in range(2 * n_layers)]
-    probes = [torch.randn(2, 7, d, generator=g) for _ in range(n_receivers)]
+    probes = [torch.randn(2, 7, d, generator=g) for _ in range(len(norms))]
     e = torch.randn(2, 7, d, generator=g).requires_grad_()
     leaves = [e, *maps, *routers.parameters(), *(n.weight for n in norms)]
     routers, norms = routers.to(DEVICE), [n.to(DEVICE) for n in norms]
@@ -192,22 +196,25 @@ def run_state(cls, residual, options, group_size, gate, scale):
 
 
 @pytest.mark.parametrize("scale_of_logits", [0.3, 30.0], ids=["logits~1", "logits~300"])
-@pytest.mark.parametrize("case", STATES, ids=lambda c: f"{c[0]}-{'-'.join(f'{k}={v}' for k, v in c[1].items())}"
-                         f"-G{c[2]}-gate{int(c[3])}")
+@pytest.mark.parametrize("case", STATES, ids=lambda c: "-".join([c[0], *(f"{k}={v}" for k, v in {**c[1], **c[3]}.items()),
+                                                                  f"G{c[2]}"]))
 def test_grouped_read_is_one_softmax_over_every_source(case, scale_of_logits, nan_empty):
     """Phase 1's state over the committed sources, merged with each receiver's own sources (and the partial
     block, the null source) by the online softmax, is Eq. 1 over all of them: every sublayer input and every
     gradient as the reference state's, in groups of several sizes, with moderate and extreme logits."""
     got_ys, got_grads = run_state(GroupedDepthState, *case, scale_of_logits)
     want_ys, want_grads = run_state(DepthState, *case, scale_of_logits)
+    # With logits ~300 an fp32 logit carries an absolute rounding error ~300 times larger, which the two paths
+    # commit in different orders: the inputs agree to 1e-4 there (1e-5 otherwise).
+    mild = scale_of_logits == 0.3
     for got, want in zip(got_ys, want_ys):
-        assert_close(got, want, 1e-5, 1e-5)
+        assert_close(got, want, 1e-5 if mild else 1e-4, 1e-5 if mild else 1e-4)
     # Gradients that are rounding noise themselves (a receiver with one source has a zero query gradient in
     # exact arithmetic) are held to the scale of all the gradients, as in the whole-model test below. With
     # logits ~300 the softmax's backward subtracts nearly equal terms (go . s_i - D), so the two paths' fp32
     # summation orders differ by up to |e| times more: 30x the tolerance (a wrong merge is off by O(1)).
     scale = max(w.abs().max().item() for w in want_grads if w is not None)
-    atol = (1e-5 if scale_of_logits == 0.3 else 3e-4) * scale
+    atol = (1e-5 if mild else 3e-4) * scale
     for got, want in zip(got_grads, want_grads):
         if want is None:
             assert got is None or not got.any()
@@ -226,7 +233,8 @@ METHODS = [dict(residual="attnres", n_blocks=2), dict(residual="attnres", n_bloc
            dict(residual="delta_block", n_blocks=3), dict(residual="delta_block", n_blocks=4),
            dict(residual="delta_block", n_blocks=1), dict(residual="delta_block", n_blocks=2, block_source="paper"),
            dict(residual="delta_block", n_blocks=2, include_partial=False),
-           dict(residual="delta_block", n_blocks=2, null_source=True, gate=True)]
+           dict(residual="delta_block", n_blocks=2, null_source=True, gate=True),
+           dict(residual="delta_block", n_blocks=2, null_source=True, learned_null=True, block_split="ceil")]
 
 
 def loss_and_grads(routed, kernel, idx):
@@ -238,6 +246,8 @@ def loss_and_grads(routed, kernel, idx):
             r.norm_weight.uniform_(0.5, 1.5)
             if r.gate is not None:
                 r.gate.fill_(0.7)
+            if r.null is not None:
+                r.null.normal_(0, 1.0)
     loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
     loss.backward()
     return loss, {n: p.grad for n, p in model.named_parameters()}

@@ -1,18 +1,21 @@
-"""Model-level properties: identity at init, near-identity from decomposition, causality, configs."""
+"""Model-level properties: the sources each sublayer reads, identity at init and gradients from step 0,
+near-identity from decomposition, causality, configs."""
 import glob
 import os
 
 import pytest
 import torch
+import torch.nn as nn
 
-from model import Model, ModelConfig
+from model import GATED_QUERY_INIT_STD, Model, ModelConfig
 from router import METHODS
 
 TINY = dict(vocab_size=97, d_model=48, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96)
 ADDITIVE = [dict(residual="delta"), dict(residual="delta_block", n_blocks=3),
             dict(residual="delta_block", n_blocks=3, block_source="paper"),
             dict(residual="delta_block", n_blocks=2, include_partial=False),
-            dict(residual="delta", null_source=True)]
+            dict(residual="delta", null_source=True),
+            dict(residual="delta_block", n_blocks=3, null_source=True, learned_null=True)]
 ALL = [dict(residual="baseline"), dict(residual="attnres", n_blocks=3), dict(residual="full_attnres")] + ADDITIVE
 
 
@@ -38,11 +41,167 @@ def rel_diff(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+# ------------------------------------------------------------------ the sources each sublayer reads
+
+class UnitOutput(nn.Module):
+    """A stub sublayer that ignores its input and outputs one fixed unit vector at every position."""
+
+    def __init__(self, unit: torch.Tensor):
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, x, *rope):
+        return self.unit.expand_as(x)
+
+
+def stub_trace(**routed) -> list[list[str] | None]:
+    """L = 8 layers, K = 4 blocks: the embedding e is the unit vector u_0 and sublayer i outputs u_{i+1}, so
+    every source is a sum of distinct unit vectors and can be named: B_k is the sum of block k's outputs,
+    "partial" the outputs of the current block so far. Returns, per sublayer, the names of the sources it
+    reads (None when it does not read)."""
+    n_layers, per_block = 8, 4
+    unit = torch.eye(2 * n_layers + 1)
+    model = Model(ModelConfig(**{**TINY, "n_layers": n_layers, "d_model": 2 * n_layers + 1, "n_blocks": 4,
+                                 **routed})).eval()
+    for i, layer in enumerate(model.layers):
+        layer.self_attn, layer.mlp = UnitOutput(unit[2 * i + 1]), UnitOutput(unit[2 * i + 2])
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(unit[0])
+    reads = {}
+    model.routing_observer = lambda l, sources, router: reads.setdefault(l, [s[0, 0] for s in sources])
+
+    def name(source: torch.Tensor, l: int) -> str:
+        present = {i for i, c in enumerate(source.tolist()) if c != 0}
+        assert all(c in (0.0, 1.0) for c in source.tolist())
+        outputs = {i - 1 for i in present - {0}}
+        current = set(range(l - l % per_block, l))
+        if outputs and outputs == current and 0 not in present:
+            return "partial"
+        terms = ["e"] if 0 in present else []
+        for k in range(2 * n_layers // per_block):
+            block = set(range(k * per_block, (k + 1) * per_block))
+            if block <= outputs:
+                terms.append(f"B{k}")
+                outputs -= block
+        return "+".join(terms + [f"v{i}" for i in sorted(outputs)])
+
+    model(torch.zeros(1, 1, dtype=torch.long))
+    return [[name(s, l) for s in reads[l]] if l in reads else None for l in range(2 * n_layers)]
+
+
+def test_stub_trace_paper_sources_are_the_authors_computation():
+    """No partial source, a finished block committed after the next block's first sublayer has read, the last
+    block never a source, no read at sublayer 0."""
+    e, b0, b1 = ["e"], ["e", "B0"], ["e", "B0", "e+B1"]
+    assert stub_trace(residual="delta_block", block_source="paper") == (
+        [None] + [e] * 4 + [b0] * 4 + [b1] * 4 + [b1 + ["B0+B2"]] * 3)
+
+
+def test_stub_trace_boundary_sources():
+    """Each finished block is a source from the next block's first sublayer on; the partial is one after."""
+    blocks = [["e"], ["e", "B0"], ["e", "B0", "B1"], ["e", "B0", "B1", "B2"]]
+    want = []
+    for committed in blocks:
+        want += [committed] + [committed + ["partial"]] * 3
+    assert stub_trace(residual="delta_block") == want
+    assert stub_trace(residual="delta_block", block_split="ceil") == want      # ceil(8/4) = 2 layers: the same
+    assert stub_trace(residual="delta_block", include_partial=False) == [
+        committed for committed in blocks for _ in range(4)]
+
+
+def test_stub_trace_paper_sources_with_one_block_read_only_the_embedding():
+    assert stub_trace(residual="delta_block", block_source="paper", n_blocks=1) == [None] + [["e"]] * 15
+
+
+# ------------------------------------------------------------------------- initialisation
+
+
 @pytest.mark.parametrize("routed", ADDITIVE, ids=lambda r: "-".join(map(str, r.values())))
 def test_gate_gives_bit_exact_identity(routed):
     base, model = baseline_and(dict(routed, gate=True))
     idx = tokens()
     assert torch.equal(model(idx), base(idx))
+
+
+def seeded(**cfg) -> Model:
+    torch.manual_seed(0)
+    return Model(ModelConfig(**TINY, **cfg))
+
+
+def loss_of(model: Model, idx: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+
+
+def router_grads(model: Model, idx: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """One backward: per router, the query's and the gate's gradient, and how many sources it read."""
+    n_sources = {}
+    model.routing_observer = lambda l, sources, router: n_sources.setdefault(l, len(sources))
+    model.zero_grad()
+    loss_of(model, idx).backward()
+    model.routing_observer = None
+    return ([r.query.grad.clone() for r in model.routers], [r.gate.grad.clone() for r in model.routers],
+            [n_sources[l] for l in sorted(n_sources)])
+
+
+@pytest.mark.parametrize("routed", ADDITIVE, ids=lambda r: "-".join(map(str, r.values())))
+def test_gated_init_is_the_baseline_and_learns_from_the_first_step(routed):
+    """gate=True: with the same seed the logits are the baseline's bit for bit (the routers are initialised after
+    the backbone, which they therefore share), the queries start small and random, the gates get a gradient at
+    step 0 (the query's is exactly 0 there: the gate multiplies it) and, after one optimizer step, so does every
+    query of a receiver that reads 2+ sources (one source has weight 1 whatever the query)."""
+    idx = tokens(T=12)
+    model = seeded(**routed, gate=True)
+    assert model.cfg.query_init_std == GATED_QUERY_INIT_STD
+    assert torch.equal(model(idx), seeded()(idx))
+    queries = torch.stack([r.query for r in model.routers])
+    assert 0.5 * GATED_QUERY_INIT_STD < queries.std() < 2 * GATED_QUERY_INIT_STD
+    query_grads, gate_grads, n_sources = router_grads(model, idx)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in query_grads)
+    assert all(g.isfinite() and g != 0 for g in gate_grads)
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    query_grads, gate_grads, n_sources = router_grads(model, idx)
+    assert all(g.isfinite().all() for g in query_grads) and all(g.isfinite() for g in gate_grads)
+    assert all(g.abs().max() > 0 for g, n in zip(query_grads, n_sources) if n > 1)
+    assert all(g != 0 for g in gate_grads)
+
+
+def test_gated_zero_queries_give_the_gate_no_useful_gradient():
+    """Why the gated default is random: with zero queries the boundary sources make the read c h~ and the
+    pre-norm is scale invariant, so the gate's gradient is only RMSNorm's eps (rounding without it), while
+    random queries tilt the read away from h~ (and the zero queries never get a gradient: the gate is 0)."""
+    idx = tokens(T=12)
+    common = dict(residual="delta_block", n_blocks=3, gate=True, norm_eps=0.0)
+    zero = torch.stack(router_grads(seeded(**common, query_init_std=0.0), idx)[1])
+    random = torch.stack(router_grads(seeded(**common), idx)[1])
+    assert zero.norm() < 1e-4 * random.norm()
+
+
+def test_learned_null_source_starts_as_the_constant_one_and_learns():
+    idx = tokens(T=12)
+    constant = seeded(residual="delta_block", n_blocks=3, null_source=True)
+    learned = seeded(residual="delta_block", n_blocks=3, null_source=True, learned_null=True)
+    assert all(torch.equal(r.null, torch.zeros(TINY["d_model"])) for r in learned.routers)
+    assert constant.routers[0].null is None
+    assert torch.equal(learned(idx), constant(idx))
+    loss_of(learned, idx).backward()
+    grads = [r.null.grad for r in learned.routers]
+    assert all(g.isfinite().all() and g.abs().max() > 0 for g in grads)
+
+
+def test_query_init_std():
+    assert seeded(residual="delta").cfg.query_init_std == 0.0
+    assert all(torch.equal(r.query, torch.zeros(TINY["d_model"])) for r in seeded(residual="delta").routers)
+    model = seeded(residual="attnres", n_blocks=3, query_init_std=0.5)
+    assert 0.4 < torch.stack([r.query for r in model.routers]).std() < 0.6
+    assert ModelConfig(**TINY, residual="delta", gate=True, query_init_std=0.0).query_init_std == 0.0
+
+
+def test_paper_sources_have_no_router_for_sublayer_0():
+    """Every router reads (DDP needs every parameter used): the paper's variant starts reading at sublayer 1."""
+    model = seeded(residual="delta_block", n_blocks=3, block_source="paper")
+    assert len(model.routers) == 2 * TINY["n_layers"] - 1
+    loss_of(model, tokens(T=12)).backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 @pytest.mark.parametrize("routed", [dict(residual="delta"), dict(residual="delta_block", n_blocks=3),
@@ -107,6 +266,12 @@ def test_router_counts():
     (dict(residual="delta_block", block_source="hidden"), "allowed values are boundary, paper"),
     (dict(residual="attnres", gate=True), "gate=True is for additive routing"),
     (dict(residual="baseline", null_source=True), "need a routed method"),
+    (dict(residual="baseline", query_init_std=0.02), "need a routed method"),
+    (dict(residual="delta_block", block_split="floor"), "block_split='floor': allowed values are even, ceil"),
+    (dict(residual="attnres", n_blocks=5, block_split="ceil"), r"n_blocks=5 with block_split='ceil' makes 3 blocks"),
+    (dict(residual="delta", query_init_std=-0.5), r"query_init_std=-0.5: allowed values are a std >= 0, or -1"),
+    (dict(residual="delta", query_init_std=float("nan")), "query_init_std=nan: allowed values"),
+    (dict(residual="delta", learned_null=True), "learned_null=True: .* set null_source=True"),
 ])
 def test_config_errors(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -129,6 +294,22 @@ def test_paper_config_parameter_counts(size):
         with torch.device("meta"):
             n = Model(model_cfg).num_params()
         assert abs(n / LABELS[size] - 1) < 0.03, (path, n)
+
+
+# Block counts: the paper's where it gives one, else the authors' run names and scripts (default 4).
+BLOCKS = {"220m_attnres": 4, "220m_delta_block": 2, "533m_attnres": 4, "533m_delta_block": 4,
+          "1044m_attnres": 4, "1044m_delta_block": 4, "qwen3_0.6b_attnres": 4, "qwen3_0.6b_delta_block": 28,
+          "qwen3_8b_attnres": 4, "qwen3_8b_delta_block": 4}
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_paper_config_block_counts(name):
+    import train
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    model_cfg, _ = train.load_config([path])
+    assert (model_cfg.n_blocks, model_cfg.block_split, model_cfg.block_source) == (BLOCKS[name], "ceil", "boundary")
+    with open(path) as f:
+        assert "n_blocks = " in f.read()            # each says where its number comes from
 
 
 @pytest.mark.parametrize("residual", ["delta", "attnres", "full_attnres", "baseline"])

@@ -57,17 +57,30 @@ def test_block_starts():
     assert block_starts(7, 3) == frozenset({4, 8})     # blocks of 2, 2, 3 layers
 
 
+def test_block_starts_ceil_split():
+    """The authors' split: blocks of ceil(L / K) layers; the same as the even split when K divides L."""
+    for n_layers, n_blocks in [(12, 4), (12, 2), (36, 4), (28, 28), (8, 1)]:
+        assert block_starts(n_layers, n_blocks, "ceil") == block_starts(n_layers, n_blocks)
+    layers = lambda starts: sorted(s // 2 for s in starts)   # noqa: E731
+    assert layers(block_starts(36, 8, "ceil")) == [5, 10, 15, 20, 25, 30, 35]     # 5 x 7 layers, then 1
+    assert layers(block_starts(36, 8)) == [4, 9, 13, 18, 22, 27, 31]              # 4, 5, 4, 5, 4, 5, 4, 5
+    assert layers(block_starts(7, 3, "ceil")) == [3, 6]                           # 3, 3, 1
+
+
 # --------------------------------------------------------------------- driving DepthState by hand
 
 def drive(policy, outputs, e, routers=None, route=None):
-    """Run a DepthState over given sublayer outputs; return, per sublayer, (candidates, h~, input)."""
+    """Run a DepthState over given sublayer outputs; return, per sublayer, (the sources it read, or None when it
+    does not read; h~; its input)."""
     d = e.shape[-1]
     routers = routers or torch.nn.ModuleList(Router(d, gate=False) for _ in range(policy.n_receivers(len(outputs))))
-    state = DepthState(policy, routers, e, route or depth_route, eps=1e-6)
+    reads = {}
+    state = DepthState(policy, routers, e, route or depth_route, eps=1e-6,
+                       observer=lambda l, sources, router: reads.__setitem__(l, list(sources)))
     trace = []
-    for v in outputs:
+    for l, v in enumerate(outputs):
         x = state.input()
-        trace.append((state.candidates(), state.h, x))
+        trace.append((reads.get(l), state.h, x))
         state.add(v)
     return trace, state
 
@@ -79,7 +92,7 @@ def test_scalar_example_boundary_vs_paper_sources():
     expected = {"boundary": [1.0, 2.0, 3.0], "paper": [1.0, 2.0, 4.0]}
     for block_source, sources in expected.items():
         policy = make_policy("delta_block", n_layers=3, n_blocks=3, block_source=block_source)
-        _, state = drive(policy, outputs, e)          # sublayer 4's input commits the second block
+        _, state = drive(policy, outputs, e)          # sublayer 4's read commits the second block
         assert [s.item() for s in state.sources] == sources, block_source
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import sweep
-from sweep import Run, Section
+from sweep import Plan, Run, Section
 
 TINY = {"d_model": 16, "n_layers": 2, "n_blocks": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8, "d_ff": 32,
         "seq_len": 16, "batch_size": 4, "micro_batch_size": 4, "max_steps": 6, "warmup_steps": 2,
@@ -16,7 +16,8 @@ TINY = {"d_model": 16, "n_layers": 2, "n_blocks": 2, "n_heads": 2, "n_kv_heads":
 def plan():
     runs = [Run("base_s0", {**TINY, "residual": "baseline", "seed": 0}),
             Run("db_s0", {**TINY, "residual": "delta_block", "seed": 0}, 1.3)]
-    return runs, [Section("Tiny", "two runs", [("baseline", ["base_s0"]), ("delta_block", ["db_s0"])])]
+    sections = [Section("Tiny", "two runs", [("baseline", ["base_s0"]), ("delta_block", ["db_s0"])], ("curves",))]
+    return Plan("tiny", sweep.CONFIG, runs, sections)
 
 
 def log_path(out, name):
@@ -25,7 +26,8 @@ def log_path(out, name):
 
 def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     out = str(tmp_path)
-    runs, sections = plan()
+    tiny = plan()
+    runs = tiny.runs
     assert sweep.execute(runs, out, jobs=1, threads=1) == []
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(lines) == 2 and all("trained" in line and "val ppl" in line for line in lines)
@@ -45,7 +47,7 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     redone = [json.loads(line) for line in open(log_path(out, "db_s0"))]
     assert sum(bool(r.get("final")) for r in redone) == 1 and len(redone) == len(records)
 
-    results = sweep.summarise(runs, sections, out, triton=False, invocation_s=1.0, command="test")
+    results = sweep.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
     saved = json.load(open(os.path.join(out, "results.json")))
     assert {"git_commit", "machine", "date", "saved_bytes", "sections", "runs"} <= set(saved)
     assert {"platform", "cpu", "torch"} <= set(saved["machine"])
@@ -66,13 +68,13 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
 
     # A clean clone has the logs and routing.json but no checkpoints: the report must come out the same.
     os.remove(os.path.join(out, "runs", "db_s0", "routing.json"))
-    sweep.summarise(runs, sections, out, triton=False, invocation_s=1.0, command="test")   # writes it again
+    sweep.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")   # writes it again
     assert json.load(open(os.path.join(out, "runs", "db_s0", "routing.json"))) == saved["runs"]["db_s0"]["routing"]
     for name in ("base_s0", "db_s0"):
         for f in os.listdir(os.path.join(out, "runs", name)):
             if f.endswith(".pt"):
                 os.remove(os.path.join(out, "runs", name, f))
-    again = sweep.summarise(runs, sections, out, triton=False, invocation_s=1.0, command="test")
+    again = sweep.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
     assert again["sections"] == saved["sections"]
 
 
@@ -140,3 +142,45 @@ def test_compare_file_must_exist(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--out", str(tmp_path), "--compare", str(tmp_path / "missing.json"), "--report_only"])
     assert "--compare: no results file at" in capsys.readouterr().err
+
+
+def test_plans_are_well_formed():
+    """Every row names runs the plan trains, names are unique, each run's overrides make a valid config."""
+    for plan in (sweep.full_plan(), sweep.depth_plan()):
+        names = [r.name for r in plan.runs]
+        assert len(names) == len(set(names))
+        for section in plan.sections:
+            assert section.rows[0][0] == "baseline"
+            for _, row in section.rows:
+                assert set(row) <= set(names)
+        for run in plan.runs:
+            sweep.model_config(run)
+    depth = sweep.depth_plan()
+    assert depth.committed == os.path.join("results", "depth_sweep", "results.json")
+    assert [s.title.split(":")[0] for s in depth.sections] == ["36 layers", "12 layers"]
+    for section, n_layers in zip(depth.sections, (36, 12)):
+        assert [label for label, _ in section.rows] == ["baseline", "attnres", "delta_block", "delta"]
+        for _, row in section.rows:
+            configs = [sweep.model_config(r) for r in depth.runs if r.name in row]
+            assert [c.n_layers for c in configs] == [n_layers] * 3
+            assert len({c.d_model for c in configs}) == 1
+    steps = {sweep.train_config(r).max_steps for r in depth.runs}
+    assert len(steps) == 1                                       # equal steps
+    init = sweep.full_plan().sections[-1]
+    gated = [r for r in sweep.full_plan().runs if r.name in init.rows[-1][1]]
+    assert all(sweep.model_config(r).gate and sweep.model_config(r).query_init_std == 0.02 for r in gated)
+
+
+def test_depth_plot_reads_every_depth_section(tmp_path):
+    def rows(n_layers, changes):
+        return [{"label": label, "n_layers": n_layers, "ppl_change_pct": c, "ppl_change_pct_std": 0.5,
+                 "runs": ["a", "b", "c"]} for label, c in changes.items()]
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    path = str(tmp_path / "depth.png")
+    sweep.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0, "delta": -1.0}),
+                      rows(12, {"baseline": 0.0, "attnres": -1.0, "delta": -1.5})], path, plt)
+    assert os.path.getsize(path) > 0
+    with pytest.raises(ValueError):          # a method missing at one depth is not silently drawn as a point
+        sweep.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0}), rows(12, {"baseline": 0.0})], path, plt)
