@@ -11,9 +11,10 @@ n_layers = 28                # must match the checkpoint; set so that n_blocks =
 n_blocks = 28                # a block per layer, as in the paper's Qwen3-0.6B runs (Table 2: N = 28)
 null_source = True
 # The paper used gate=False: a zero query and a null source, which is NOT an identity at step 0
-# (PAPER.md section 5; the step-0 log line measures it). gate=True adds a zero-initialised scalar gate per
-# receiver, an exact identity at step 0, and is the recommended choice. Note that at that identity the
-# routers' gradients are tiny (the query's is 0, the gate's only comes from RMSNorm's eps, since boundary
-# sources make the read c * h~), so routing starts to learn as Adam's normalised steps move the gates.
+# (docs/method.md, section 'Initialisation and identity'; the step-0 log line measures it). gate=True adds a
+# zero-initialised scalar gate per receiver, an exact identity at step 0, and is the recommended choice. Note
+# that at that identity the routers' gradients are tiny (the query's is 0, the gate's only comes from
+# RMSNorm's eps, since boundary sources make the read c * h~), so routing starts to learn as Adam's
+# normalised steps move the gates.
 gate = False
 out_dir = "out/ft_qwen3_0.6b_delta_block"
