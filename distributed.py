@@ -1,6 +1,7 @@
-"""The parallel plumbing of train.py: the process group from torchrun's environment, running a step on rank 0
-for every rank, stop requests from SIGINT/SIGTERM, DDP or FSDP2 wrapping with activation checkpointing and
-per-sublayer compilation, and gradient-sync control. Checkpoints are checkpoint.py's.
+"""The parallel plumbing of train.py: the device and precision rule (also eval's, sample's and finetune's), the
+process group from torchrun's environment, running a step on rank 0 for every rank, stop requests from
+SIGINT/SIGTERM, DDP or FSDP2 wrapping with activation checkpointing and per-sublayer compilation, and
+gradient-sync control. Checkpoints are checkpoint.py's.
 """
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ class Context:
         return self.rank == 0
 
 
+def pick_device(name: str = "auto") -> torch.device:
+    """The one device rule: "auto" is CUDA when it is available, else the CPU; any other name (cpu, cuda,
+    cuda:1) is taken as given. CUDA without an index is this process's GPU: LOCAL_RANK's under torchrun."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name!r} but CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def autocast(device: torch.device) -> ContextManager:
+    """The one precision rule for forward passes: bf16 autocast on CUDA (parameters stay fp32, as FSDP's
+    MixedPrecisionPolicy below also computes in bf16), full fp32 on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
 def setup(device: str = "auto", timeout_s: float = 600.0) -> Context:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK; NCCL on CUDA, gloo on CPU),
     or run as one process. An already initialised group (e.g. a test harness's) is used as it is.
@@ -50,14 +68,10 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> Context:
     died ends the job instead of blocking the others indefinitely."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r}: allowed values are auto, cpu, cuda")
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' but CUDA is not available")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1 and not dist.is_initialized():
-        return Context(0, 1, torch.device("cuda" if use_cuda else "cpu"), owns_group=False)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dev = pick_device(device)
+    use_cuda = dev.type == "cuda"
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
+        return Context(0, 1, dev, owns_group=False)
     if use_cuda:
         torch.cuda.set_device(dev)
     owns = not dist.is_initialized()

@@ -5,14 +5,15 @@
     python finetune.py export out/ft_qwen3_0.6b_baseline/ckpt_0020000.pt out/qwen3_0.6b_ft_hf \\
         --source=checkpoints/Qwen3-0.6B          # a fine-tuned baseline back to a Hugging Face folder
 
-`load_hf_qwen3` reads a Qwen3 folder (config.json, model.safetensors or a sharded index) into model.py's
-Model, tensor by tensor, and adds routers at their initialisation. The fine-tuning run reuses train.py's
-loop with separate optimizer groups: routers at router_lr_scale x the backbone's lr and no weight decay.
-Before the first step it measures how far the converted model is from the pretrained one (the same
-weights with routing switched off) on the first validation batch. With gate=True the difference is exactly
-0. The paper's zero query without a gate is not an identity (PAPER.md section 5) and the log says so: with
-boundary block sources the read is c * h~ and only RMSNorm's eps changes the logits (a small difference);
-with the paper's Fig. 3 sources the difference is large.
+The pretrained folder is read by hf_qwen3.py, which adds routers at their initialisation; `export` writes a
+fine-tuned baseline back through it. The text is tokenised once with the checkpoint's own tokenizer. The
+fine-tuning run reuses train.py's loop with separate optimizer groups: routers at router_lr_scale x the
+backbone's lr and no weight decay. Before the first step it measures how far the converted model is from the
+pretrained one (the same weights with routing switched off) on the first validation batch. With gate=True
+the difference is exactly 0. The paper's zero query without a gate is not an identity (docs/method.md,
+section 'Initialisation and identity') and the log says so: with boundary block sources the read is c * h~
+and only RMSNorm's eps changes the logits (a small difference); with the paper's Fig. 3 sources the
+difference is large.
 """
 from __future__ import annotations
 
@@ -21,21 +22,22 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
-import torch.nn as nn
 
-import checkpoint
 import cli
 import data
+import distributed
 import files
+import shards
 import train
+import trained
 from config import NON_NEGATIVE, TrainConfig, check_ranges, load_config
+from hf_qwen3 import load_hf_qwen3, save_hf_qwen3
 from model import Model, ModelConfig
 from router import make_policy
 
@@ -56,196 +58,8 @@ class FinetuneConfig:
                             "text_val_docs": (lambda v: v >= 1, "integers >= 1")})
 
 
-# ModelConfig fields that come from config.json; the others (routing) are the user's to choose.
-ARCH_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
-             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-             "d_ff": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-             "tie_embeddings": "tie_word_embeddings"}
+# ModelConfig fields a fine-tuning config chooses; the architecture comes from the checkpoint's config.json.
 ROUTING_KEYS = ("residual", "n_blocks", "block_source", "include_partial", "null_source", "gate")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
-                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-QWEN3_MAX_POSITIONS = 40960  # the released Qwen3 configs' max_position_embeddings, when no source config is given
-
-
-# ----------------------------------------------------------------------------------------------- config.json
-
-def _rope_theta(hf: dict) -> float:
-    """RoPE base from the old `rope_theta` (+ `rope_scaling`) or the newer `rope_parameters`; only default RoPE."""
-    params, scaling = hf.get("rope_parameters"), hf.get("rope_scaling")
-    thetas = []
-    for source in (params, scaling):
-        if source is None:
-            continue
-        if not isinstance(source, dict) or any(isinstance(v, dict) for v in source.values()):
-            raise ValueError(f"unsupported RoPE settings {source!r}: expected one dict of default RoPE parameters")
-        kind = source.get("rope_type", source.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"unsupported RoPE scaling {kind!r}: model.py implements only default RoPE "
-                             "(no yarn / linear / dynamic scaling)")
-        if "rope_theta" in source:
-            thetas.append(float(source["rope_theta"]))
-    if "rope_theta" in hf:
-        thetas.append(float(hf["rope_theta"]))
-    if not thetas:
-        raise ValueError("config.json gives no rope_theta (neither at the top level nor in rope_parameters)")
-    if len(set(thetas)) > 1:
-        raise ValueError(f"config.json gives conflicting RoPE bases {sorted(set(thetas))} "
-                         "(rope_theta vs rope_parameters.rope_theta)")
-    return thetas[0]
-
-
-def _check_supported(hf: dict) -> None:
-    """Fail on anything model.py would silently compute differently."""
-    kind = hf.get("model_type")
-    if kind == "qwen3_moe" or hf.get("num_experts") or hf.get("num_local_experts"):
-        raise ValueError(f"unsupported config: mixture of experts (model_type={kind!r}); model.py has dense MLPs only")
-    if kind != "qwen3":
-        raise ValueError(f"unsupported config: model_type={kind!r}, expected 'qwen3'")
-    if hf.get("attention_bias"):
-        raise ValueError("unsupported config: attention_bias=true; model.py's projections have no bias")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported config: hidden_act={hf['hidden_act']!r}; model.py's MLP is SwiGLU (silu)")
-    n_layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types")
-    if layer_types is None:  # transformers' rule when layer_types is absent
-        sliding = hf.get("use_sliding_window") and hf.get("sliding_window") is not None
-        start = hf.get("max_window_layers", n_layers)
-        layer_types = ["sliding_attention" if sliding and i >= start else "full_attention" for i in range(n_layers)]
-    windowed = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if windowed:
-        raise ValueError(f"unsupported config: sliding-window attention in layers {windowed}; "
-                         "model.py attends over the full causal context")
-
-
-def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """Map a Qwen3 config.json (as a dict) onto ModelConfig; `overrides` set routing fields. An architecture
-    field in `overrides` must agree with config.json (the weights fix it)."""
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if key not in hf:
-            raise ValueError(f"config.json lacks {key!r}")
-    _check_supported(hf)
-    n_heads = hf["num_attention_heads"]
-    arch = {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
-            "n_heads": n_heads, "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // n_heads, "d_ff": hf["intermediate_size"],
-            "rope_theta": _rope_theta(hf), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
-    unknown = set(overrides) - ModelConfig.field_names()
-    if unknown:
-        raise KeyError(f"unknown ModelConfig field(s) {sorted(unknown)}")
-    for key, value in overrides.items():
-        if key in arch and value != arch[key]:
-            raise ValueError(f"{key}={value!r} conflicts with the checkpoint's config.json "
-                             f"{ARCH_KEYS[key]}={arch[key]!r}; the architecture is read from the checkpoint")
-    return ModelConfig(**{**arch, **overrides})
-
-
-# ---------------------------------------------------------------------------------------------------- weights
-
-def _hf_name(name: str) -> str:
-    """model.py parameter name -> Hugging Face Qwen3ForCausalLM state-dict key."""
-    return name if name.startswith("lm_head.") else "model." + name
-
-
-def _weight_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        return [os.path.join(path, name) for name in sorted(set(files.read_json(index)["weight_map"].values()))]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json "
-                            "(only safetensors checkpoints are read)")
-
-
-def load_hf_qwen3(path: str, *, dtype: torch.dtype = torch.float32, **overrides) -> Model:
-    """A Hugging Face Qwen3 folder -> Model with the pretrained weights (in `dtype`) and fresh routers.
-
-    overrides: ModelConfig routing fields, e.g. residual="delta_block", n_blocks=28, null_source=True, gate=True.
-    The model is built on the meta device and each tensor is read from safetensors, shape-checked and assigned
-    in turn, so memory holds one copy of the weights.
-    """
-    from safetensors import safe_open
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: init_from must be a Hugging Face Qwen3 folder")
-    cfg = model_config_from_hf(files.read_json(config_path), **overrides)
-    with torch.device("meta"):
-        model = Model(cfg)
-    # named_parameters lists a tied lm_head once, as embed_tokens.weight: a tied checkpoint may omit it.
-    expected = {_hf_name(n): n for n, p in model.named_parameters() if not n.startswith("routers.")}
-    ignored = ("lm_head.weight",) if cfg.tie_embeddings else ()
-    loaded: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq") or key in ignored:
-                    continue  # recomputed from rope_theta / the tied embedding
-                if key not in expected:
-                    raise ValueError(f"{file}: unexpected tensor {key!r} (not part of a Qwen3 with this config.json)")
-                name = expected[key]
-                want = tuple(model.get_parameter(name).shape)
-                got = tuple(f.get_slice(key).get_shape())
-                if got != want:
-                    raise ValueError(f"{file}: tensor {key!r} has shape {got} but config.json implies {want}")
-                module_name, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(module_name), leaf, nn.Parameter(f.get_tensor(key).to(dtype)))
-                loaded.add(key)
-    missing = sorted(set(expected) - loaded)
-    if missing:
-        raise ValueError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.routers.to_empty(device="cpu")
-    for router in model.routers:
-        router.reset_parameters()
-    model.routers.to(dtype)
-    return model
-
-
-def save_hf_qwen3(model: Model, path: str, source: str | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write a baseline Model as a Hugging Face Qwen3 folder that transformers loads.
-
-    source: a Qwen3 folder whose config.json (token ids, max positions) is kept and whose tokenizer files are
-    copied. Routed models are refused: transformers' Qwen3 has no routers and a different forward pass.
-    """
-    from safetensors.torch import save_file
-    cfg = model.cfg
-    if cfg.residual != "baseline":
-        raise ValueError(f"cannot save residual={cfg.residual!r} as a Hugging Face Qwen3: its routers and routed "
-                         "forward pass do not exist there; only residual='baseline' models can be saved this way")
-    hf = files.read_json(os.path.join(source, "config.json")) if source is not None else {}
-    for key in ("rope_parameters", "rope_scaling", "layer_types", "dtype", "torch_dtype"):
-        hf.pop(key, None)
-    state = {_hf_name(n): p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
-    hf.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-               "attention_bias": False, "use_sliding_window": False, "rope_scaling": None,
-               "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
-               **{hf_key: getattr(cfg, key) for key, hf_key in ARCH_KEYS.items()}})
-    hf.setdefault("max_position_embeddings", QWEN3_MAX_POSITIONS)
-    os.makedirs(path, exist_ok=True)
-    shards: list[dict] = [{}]
-    shard_bytes = total = 0
-    for key, tensor in state.items():  # greedy: start a new shard when the current one would overflow
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][key] = tensor
-        shard_bytes += size
-        total += size
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        files.atomic_write(os.path.join(path, name), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
-        weight_map.update(dict.fromkeys(shard, name))
-    if len(shards) > 1:
-        files.write_json(os.path.join(path, "model.safetensors.index.json"),
-                         {"metadata": {"total_size": total}, "weight_map": weight_map})
-    files.write_json(os.path.join(path, "config.json"), hf)
-    for name in TOKENIZER_FILES if source is not None else ():
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -298,7 +112,7 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
         if found != stamp:
             raise ValueError(f"data={out_dir} holds shards prepared from {found}, not {stamp}: "
                              "choose another data= folder or delete it")
-        return data.load_meta(out_dir)
+        return shards.load_meta(out_dir)
     if os.path.isfile(stamp_path):  # left by an interrupted preparation; must not release the other ranks
         os.remove(stamp_path)
     texts = None if ft.text == "fineweb" else read_texts(ft.text)
@@ -348,23 +162,22 @@ def step0_check(model: Model, cfg: TrainConfig, device: torch.device, world_size
     """Max |logit difference| between the converted and the pretrained model on the first validation batch,
     and both validation losses (over the windows train.py validates on), before any training. Runs on one
     process, in the micro-batches each of world_size ranks will use."""
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     model.to(device).eval()
     # the same windows train.py validates on: the first eval_batches x batch_size, in order
     micro, grad_accum = train.batch_split(cfg, world_size)
-    loader = data.ShardLoader(cfg.data, "val", micro, cfg.seq_len, shuffle=False, step_batch=cfg.batch_size)
+    loader = shards.ShardLoader(cfg.data, "val", micro, cfg.seq_len, shuffle=False, step_batch=cfg.batch_size)
     n_batches = cfg.eval_batches * grad_accum * world_size
     x = loader.next_batch()[0].to(device)                                      # (B, T)
-    with autocast:
+    with distributed.autocast(device):
         converted = model(x)                                                   # (B, T, V)
         with routing_off(model):
             pretrained = model(x)                                              # (B, T, V)
     # one row at a time: an fp32 copy of a whole (B, T, 151936) batch would be tens of GB
     diff = max((converted[i].float() - pretrained[i].float()).abs().max().item() for i in range(x.shape[0]))
     del converted, pretrained
-    val_converted = train.evaluate(model, loader, n_batches, autocast, device)
+    val_converted = train.evaluate(model, loader, n_batches, device)
     with routing_off(model):
-        val_pretrained = train.evaluate(model, loader, n_batches, autocast, device)
+        val_pretrained = train.evaluate(model, loader, n_batches, device)
     return {"step": 0, "init_max_abs_logit_diff": diff, "init_is_identity": diff == 0.0,
             "val_loss_pretrained": val_pretrained, "val_loss_converted": val_converted}
 
@@ -402,9 +215,7 @@ def main(argv: list[str]) -> dict:
             f"{sum(p.numel() for p in g['params']):,} params at lr {cfg.lr * g.get('lr_scale', 1.0):.2e} "
             f"(weight decay {g['weight_decay']})" for g in groups))
     if rank == 0 and not cfg.resume:
-        use_cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
-        # the GPU train() will use on this rank (distributed.setup's rule)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        device = distributed.pick_device(cfg.device)  # the device train() will use on this rank
         entry = step0_check(model, cfg, device, int(os.environ.get("WORLD_SIZE", "1")))
         print(describe_step0(entry, model.cfg.residual))
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -420,12 +231,10 @@ def export(argv: list[str]) -> dict:
     parser.add_argument("out_dir")
     parser.add_argument("--source", default=None, help="the Qwen3 folder fine-tuned from (config, tokenizer)")
     args = parser.parse_args(argv)
-    ckpt = checkpoint.load_checkpoint(args.checkpoint)
-    model = Model(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
+    model, ckpt = trained.load_model(args.checkpoint)
     save_hf_qwen3(model, args.out_dir, source=args.source)
     print(f"wrote {args.out_dir}")
-    return {"out_dir": args.out_dir, "step": ckpt["step"]}
+    return {"out_dir": args.out_dir, "step": ckpt.get("step")}
 
 
 if __name__ == "__main__":

@@ -144,6 +144,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class KVCache:
+    """One attention layer's keys and values for the P positions seen so far, (B, Hkv, P, hd) each (sampling:
+    sample.py). Depth routing needs no cache: a token's sources are values at its own position only."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """P: the number of cached positions, which is where new positions start."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new positions' k, v (B, Hkv, t, hd) -> every position's, (B, Hkv, P+t, hd) each."""
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -155,14 +176,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)  # per-head q/k norm, before RoPE
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None = None) -> Tensor:
+        """x (B, T, d), already normed -> (B, T, d). With a cache, x holds T new positions that follow its P
+        cached ones (rope is for positions P..P+T-1), and their keys and values are appended to it."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)     # (B, H, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)              # (B, Hkv, T, hd)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
+        gqa = self.n_heads != self.n_kv_heads
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            P = cache.length
+            k, v = cache.extend(k, v)                                                           # (B, Hkv, P+T, hd)
+            # New position i (absolute P + i) sees keys 0..P+i; SDPA's is_causal would align the mask top-left.
+            mask = torch.arange(P + T, device=x.device) <= P + torch.arange(T, device=x.device)[:, None]  # (T, P+T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -233,13 +264,17 @@ class Model(nn.Module):
         """Unique parameters (a tied embedding counted once), embedding included, as the paper counts."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """idx (B, T) int64 -> logits (B, T, vocab_size)."""
+    def forward(self, idx: Tensor, cache: list[KVCache] | None = None) -> Tensor:
+        """idx (B, T) int64 -> logits (B, T, vocab_size). cache: one KVCache per layer, for tokens idx that
+        follow the cached positions (sampling); the cache grows by T."""
         h = self.embed_tokens(idx)                                              # (B, T, d)  e = h~_0
-        rope = rope_cos_sin(idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        start = cache[0].length if cache else 0                                 # absolute position of idx[:, 0]
+        cos, sin = rope_cos_sin(start + idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        rope = cos[start:], sin[start:]
         state = self.depth_state(h)
-        for layer in self.layers:
-            state.add(layer.self_attn(state.input(layer.input_layernorm), rope))
+        for i, layer in enumerate(self.layers):
+            x = state.input(layer.input_layernorm)                              # (B, T, d)
+            state.add(layer.self_attn(x, rope) if cache is None else layer.self_attn(x, rope, cache[i]))
             state.add(layer.mlp(state.input(layer.post_attention_layernorm)))
         return self.lm_head(state.output(self.norm))
 

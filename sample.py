@@ -5,8 +5,8 @@
 
 Depth routing needs no cache of its own: a token's sources (the embedding, earlier sublayer outputs, block
 sums) are values at that token's position only, so the new token's sources are computed in its own forward.
-Only sequence attention looks at earlier positions, and for that the usual per-layer K/V cache suffices.
-`forward_cached` is Model.forward with that cache; tests check that its logits equal Model.forward's.
+Only sequence attention looks at earlier positions, and for that the usual per-layer K/V cache suffices:
+Model.forward takes one (model.KVCache per layer) and then runs only the new positions.
 """
 from __future__ import annotations
 
@@ -14,69 +14,12 @@ import argparse
 from collections.abc import Iterator
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 import cli
-from model import Attention, Model, apply_rope, rope_cos_sin
-
-
-class KVCache:
-    """Per layer, the keys and values of every position seen so far: (B, Hkv, P, hd) each."""
-
-    def __init__(self, n_layers: int):
-        self.k: list[Tensor | None] = [None] * n_layers
-        self.v: list[Tensor | None] = [None] * n_layers
-        self.length = 0  # P, the number of cached positions
-
-    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.k[layer] is not None:
-            k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
-
-
-class _CachedAttention(nn.Module):
-    """Stands in for one layer's self_attn during forward_cached: the same weights, applied to t new
-    positions after the P cached ones, with RoPE at their absolute positions P..P+t-1."""
-
-    def __init__(self, attn: Attention, cache: KVCache, layer: int, rope_theta: float):
-        super().__init__()
-        self.attn, self.cache, self.layer, self.rope_theta = attn, cache, layer, rope_theta
-
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-        """x (B, t, d), already normed -> (B, t, d). The model's rope covers positions 0..t-1 only: unused."""
-        attn, (B, t, _), P = self.attn, x.shape, self.cache.length
-        q = attn.q_norm(attn.q_proj(x).view(B, t, attn.n_heads, attn.head_dim)).transpose(1, 2)     # (B, H, t, hd)
-        k = attn.k_norm(attn.k_proj(x).view(B, t, attn.n_kv_heads, attn.head_dim)).transpose(1, 2)  # (B, Hkv, t, hd)
-        v = attn.v_proj(x).view(B, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)              # (B, Hkv, t, hd)
-        cos, sin = rope_cos_sin(P + t, attn.head_dim, self.rope_theta, x.device)
-        q, k = apply_rope(q, cos[P:], sin[P:]), apply_rope(k, cos[P:], sin[P:])
-        k, v = self.cache.extend(self.layer, k, v)                                                  # (B, Hkv, P+t, hd)
-        # New position i (absolute P + i) sees keys 0..P+i; SDPA's is_causal would align the mask top-left.
-        mask = torch.arange(P + t, device=x.device) <= P + torch.arange(t, device=x.device)[:, None]  # (t, P+t)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_heads != attn.n_kv_heads)
-        return attn.o_proj(y.transpose(1, 2).reshape(B, t, attn.n_heads * attn.head_dim))
-
-
-@torch.no_grad()
-def forward_cached(model: Model, idx: Tensor, cache: KVCache) -> Tensor:
-    """Model.forward for new tokens idx (B, t) that follow the cache's P positions -> logits (B, t, vocab).
-
-    It runs the model's own forward (so depth routing is exactly the model's) with each layer's attention
-    temporarily replaced by its cached counterpart.
-    """
-    originals = [layer.self_attn for layer in model.layers]
-    try:
-        for i, layer in enumerate(model.layers):
-            layer.self_attn = _CachedAttention(originals[i], cache, i, model.cfg.rope_theta)
-        logits = model(idx)
-    finally:
-        for layer, attn in zip(model.layers, originals):
-            layer.self_attn = attn
-    cache.length += idx.shape[1]
-    return logits
+import distributed
+import trained
+from model import KVCache, Model
 
 
 def next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
@@ -108,10 +51,10 @@ def generate(model: Model, idx: Tensor, max_new_tokens: int, temperature: float 
             logits = model(idx[:, -context:])
         else:
             if cache is None:
-                cache, pending = KVCache(len(model.layers)), idx[:, -context:]
-            elif cache.length + 1 > context:
-                cache, pending = KVCache(len(model.layers)), idx[:, -(context // 2):]
-            logits = forward_cached(model, pending, cache)
+                cache, pending = [KVCache() for _ in model.layers], idx[:, -context:]
+            elif cache[0].length + 1 > context:
+                cache, pending = [KVCache() for _ in model.layers], idx[:, -(context // 2):]
+            logits = model(pending, cache)
         token = next_token(logits[:, -1], temperature, top_k, generator)       # (B, 1)
         idx, pending = torch.cat((idx, token), dim=1), token
         yield token
@@ -151,8 +94,6 @@ def complete(model: Model, tokenizer, context: str, until: list[str], max_new_to
 
 
 def main(argv: list[str]) -> str:
-    import eval as evaluation  # eval.py imports this module; import it here to avoid a cycle
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint file or an out_dir (its newest ckpt_*.pt)")
     p.add_argument("--prompt", default="")
@@ -163,9 +104,9 @@ def main(argv: list[str]) -> str:
     p.add_argument("--no_cache", action="store_true", help="recompute the whole window at every step")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
-    model, ckpt = evaluation.load_model(args.checkpoint, evaluation.pick_device(args.device))
-    text = sample_text(model, evaluation.run_tokenizer(ckpt, model), args.prompt, args.max_new_tokens,
-                       args.temperature, args.top_k, evaluation.context_length(ckpt), not args.no_cache, args.seed)
+    model, ckpt = trained.load_model(args.checkpoint, distributed.pick_device(args.device))
+    text = sample_text(model, trained.run_tokenizer(ckpt, model), args.prompt, args.max_new_tokens,
+                       args.temperature, args.top_k, trained.context_length(ckpt), not args.no_cache, args.seed)
     print(text)
     return text
 

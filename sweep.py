@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from config import load_config
+
 CONFIG = "configs/sweep_l12.py"
 SEEDS = (0, 1, 2)
 MEMORY_SHAPE = (2, 64)   # (batch, seq_len) of the saved-bytes count: per-token ratios do not depend on it
@@ -219,8 +221,9 @@ def _clock(seconds: float) -> str:
 def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float | None = None) -> list[str]:
     """Train every unfinished run, equal-steps runs first, then the equal wall-clock ones, whose
     steps come from the former. One progress line per run. Returns the names of runs that failed."""
-    import train
-    train.data_dir(train.TrainConfig())         # prepare the corpus once, before workers race to do it
+    import data
+    from config import TrainConfig
+    data.data_dir(TrainConfig().data)           # prepare the corpus once, before workers race to do it
     start, total = time.time(), len(runs)
     done_cost, left_cost, failed, index = 0.0, sum(r.cost for r in runs), [], 0
 
@@ -290,13 +293,11 @@ def _now(fn, *args):
 # ---------------------------------------------------------------------------------------------- analysing
 
 def model_config(run: Run):
-    import train
-    return train.load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
+    return load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
 
 
 def train_config(run: Run):
-    import train
-    return train.load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[1]
+    return load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[1]
 
 
 def saved_bytes_for(configs: dict[str, dict], kernel: str) -> dict[str, int]:
@@ -330,16 +331,19 @@ def saved_bytes_triton(configs: dict[str, dict], timeout_s: float) -> dict[str, 
 
 
 def routing_summary(out_dir: str) -> dict:
-    """eval.routing_analysis of the run's checkpoint over 32 held-out windows of its training length, kept in
-    OUT/runs/<run>/routing.json: the checkpoints are not committed, so a clean clone reports from that file."""
+    """routing_analysis.routing_analysis of the run's checkpoint over 32 held-out windows of its training length,
+    kept in OUT/runs/<run>/routing.json: the checkpoints are not committed, so a clean clone reports from that
+    file."""
     path = os.path.join(out_dir, "routing.json")
     if os.path.isfile(path):
         with open(path) as f:
             return json.load(f)
     import eval as evaluation
-    model, ckpt = evaluation.load_model(out_dir)
+    import trained
+    from routing_analysis import routing_analysis
+    model, ckpt = trained.load_model(out_dir)
     arrays, _ = evaluation.load_tokens(ckpt, model, None, "val")
-    summary = evaluation.routing_analysis(model, arrays, evaluation.context_length(ckpt), n_windows=32)
+    summary = routing_analysis(model, arrays, trained.context_length(ckpt), n_windows=32)
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f)
     os.replace(path + ".tmp", path)
@@ -526,7 +530,7 @@ def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, ou
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import eval as evaluation
+    from routing_analysis import plot_routing
 
     paths = []
     curves = [s for s in sections if "curves" in s.plots]
@@ -550,7 +554,7 @@ def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, ou
     routed = {label: figures[names[0]]["routing"] for label, names in sections[0].rows
               if label in ("attnres", "delta_block") and figures.get(names[0])}
     if len(routed) == 2:
-        paths += evaluation.plot_routing(routed, os.path.join(out, "routing"))
+        paths += plot_routing(routed, os.path.join(out, "routing"))
     return paths
 
 
@@ -577,8 +581,7 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     memory: dict = {"reference": saved_bytes_for(configs, "reference")}
     memory["triton"] = saved_bytes_triton(configs, 300) if triton else "not measured (--no_triton)"
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
-    import train
-    model_cfg, train_cfg = train.load_config([plan.config])
+    model_cfg, train_cfg = load_config([plan.config])
     layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
     meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,

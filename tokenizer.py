@@ -1,7 +1,7 @@
 """Tokenizers: text to token ids and back. Every one has .name, .vocab_size, .eot, .encode(str),
 .encode_batch(list[str]) and .decode(ids); `get_tokenizer` builds one by name.
 
-The name is what token shards record (data.py), so it identifies the vocabulary: "byte", "gpt2", "qwen3", or
+The name is what token shards record (shards.py), so it identifies the vocabulary: "byte", "gpt2", "qwen3", or
 for any other tokenizer.json the file's name with the first 16 hex digits of its SHA-256.
 """
 from __future__ import annotations

@@ -26,7 +26,6 @@ import math
 import os
 import signal
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -39,6 +38,7 @@ import data
 import distributed
 import files
 import runlog
+import shards
 from config import TrainConfig, load_config
 from model import Model, ModelConfig
 
@@ -62,21 +62,13 @@ def param_groups(model: Model, cfg: TrainConfig) -> list[dict]:
     return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def data_dir(cfg: TrainConfig) -> str:
-    if cfg.data == "shakespeare":
-        path = os.path.join("data", "shakespeare")
-        data.prepare_shakespeare(path)
-        return path
-    return cfg.data
-
-
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)                                                     # (B, T, V)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: data.ShardLoader, n_batches: int, autocast, device) -> float:
+def evaluate(model: nn.Module, loader: shards.ShardLoader, n_batches: int, device: torch.device) -> float:
     """Mean token loss over the first n_batches of the held-out split (the same batches every time),
     averaged over ranks when a process group is running (every rank must call it)."""
     model.eval()
@@ -85,7 +77,7 @@ def evaluate(model: nn.Module, loader: data.ShardLoader, n_batches: int, autocas
     total = torch.zeros((), device=device)
     for _ in range(n_batches):
         x, y = (t.to(device) for t in loader.next_batch())
-        with autocast:
+        with distributed.autocast(device):
             total += loss_fn(model, x, y).detach()
     model.train()
     total = distributed.all_reduce(total) / (loader.world_size * n_batches)
@@ -155,7 +147,6 @@ class _Run:
                  groups: list[dict] | None, held: contextlib.ExitStack):
         self.model_cfg, self.cfg, self.ctx, self.device = model_cfg, cfg, ctx, ctx.device
         self.micro, self.grad_accum = batch_split(cfg, ctx.world_size)
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -198,19 +189,19 @@ class _Run:
             raise ValueError(f"--resume: the model config differs from the checkpoint's in {sorted(diff)}")
         return {**meta, "path": path}
 
-    def _open_data(self, resume: dict | None) -> tuple[data.ShardLoader, data.ShardLoader]:
+    def _open_data(self, resume: dict | None) -> tuple[shards.ShardLoader, shards.ShardLoader]:
         cfg, ctx = self.cfg, self.ctx
-        directory = distributed.on_main(ctx, lambda: data_dir(cfg))  # rank 0 prepares the embedded corpus
-        data.load_meta(directory)  # an unprepared folder fails here, with how to prepare it
-        train_loader = data.ShardLoader(directory, "train", self.micro, cfg.seq_len, rank=ctx.rank,
-                                        world_size=ctx.world_size, seed=cfg.seed, step_batch=cfg.batch_size)
+        directory = distributed.on_main(ctx, lambda: data.data_dir(cfg.data))  # rank 0 prepares the embedded corpus
+        shards.load_meta(directory)  # an unprepared folder fails here, with how to prepare it
+        train_loader = shards.ShardLoader(directory, "train", self.micro, cfg.seq_len, rank=ctx.rank,
+                                          world_size=ctx.world_size, seed=cfg.seed, step_batch=cfg.batch_size)
         # Validation reads the first eval_batches x batch_size windows in order, whatever the world size.
-        val_loader = data.ShardLoader(directory, "val", self.micro, cfg.seq_len, rank=ctx.rank,
-                                      world_size=ctx.world_size, shuffle=False, step_batch=cfg.batch_size)
+        val_loader = shards.ShardLoader(directory, "val", self.micro, cfg.seq_len, rank=ctx.rank,
+                                        world_size=ctx.world_size, shuffle=False, step_batch=cfg.batch_size)
         if val_loader.info != train_loader.info:
             raise ValueError(f"{directory}: the train shards hold {train_loader.info} tokens but the val shards "
                              f"{val_loader.info}")
-        data.check_vocab(train_loader.info, self.model_cfg.vocab_size)
+        shards.check_vocab(train_loader.info, self.model_cfg.vocab_size)
         if resume is not None and resume.get("data", train_loader.info) != train_loader.info:
             raise ValueError(f"--resume: the checkpoint was trained on {resume['data']} tokens but data={cfg.data} "
                              f"holds {train_loader.info} tokens: resume on the data the run started with")
@@ -254,7 +245,7 @@ class _Run:
         for micro in range(self.grad_accum):
             x, y = (t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
             with distributed.gradient_sync(self.model, micro == self.grad_accum - 1):
-                with self.autocast:
+                with distributed.autocast(device):
                     loss = loss_fn(self.model, x, y)
                 (loss / self.grad_accum).backward()
             loss_sum += loss.detach() / self.grad_accum
@@ -289,7 +280,7 @@ class _Run:
             self._log_step(r)
         t_pause = time.time()  # evaluation and saving do not count against tokens/s
         if step % cfg.eval_interval == 0 and step < cfg.max_steps and not stopping:
-            val = evaluate(self.model, self.val_loader, cfg.eval_batches * self.grad_accum, self.autocast, self.device)
+            val = evaluate(self.model, self.val_loader, cfg.eval_batches * self.grad_accum, self.device)
             self.log({"step": step, "val_loss": val, "val_ppl": math.exp(val)},
                      f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
         due = (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or r["save_due"]
@@ -352,8 +343,7 @@ class _Run:
                      f"step {self.step:5d} | stopped by {signal.Signals(stopped_by).name}: saved {self.last_saved}; "
                      "continue with --resume")
         else:
-            val = evaluate(self.model, self.val_loader, self.cfg.eval_batches * self.grad_accum, self.autocast,
-                           self.device)
+            val = evaluate(self.model, self.val_loader, self.cfg.eval_batches * self.grad_accum, self.device)
             elapsed = time.time() - self.t0
             self.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(val), "final": True, "wall_s": elapsed},
                      f"final | step {self.step} | val loss {val:.4f} | val ppl {math.exp(val):.2f} | {elapsed:.0f}s")

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import checkpoint
-import data
 import distributed
-import eval as ev
 import files
 import finetune
 import sample
+import shards
 import train
+import trained
+from hf_qwen3 import load_hf_qwen3
 from model import Model, ModelConfig
 
 SMALL = ["--d_model=32", "--n_layers=2", "--n_blocks=2", "--n_heads=2", "--n_kv_heads=1", "--head_dim=16", "--d_ff=64",
@@ -45,8 +46,8 @@ def test_a_malicious_pickle_never_runs(tmp_path):
                                                          r"global: GLOBAL exec was not an allowed global by "
                                                          r"default\), and such a file can run code"):
         checkpoint.load_checkpoint(path)
-    for load in (lambda: ev.load_model(path), lambda: ev.load_model(str(out_dir)), lambda: sample.main([path]),
-                 lambda: finetune.main(["export", path, str(tmp_path / "hf")]),
+    for load in (lambda: trained.load_model(path), lambda: trained.load_model(str(out_dir)),
+                 lambda: sample.main([path]), lambda: finetune.main(["export", path, str(tmp_path / "hf")]),
                  lambda: run(out_dir, "--resume", "--max_steps=2")):
         with pytest.raises(checkpoint.CheckpointError):
             load()
@@ -115,15 +116,15 @@ def test_a_save_is_synced_before_its_rename_and_a_failed_one_leaves_the_old_file
 def test_json_errors_name_the_file(tmp_path):
     (tmp_path / "meta.json").write_text('{"tokenizer": "byte", ')
     with pytest.raises(ValueError, match=rf"{tmp_path}/meta.json is not valid JSON"):
-        data.load_meta(str(tmp_path))
+        shards.load_meta(str(tmp_path))
     sharded = tmp_path / "ckpt_0000003"
     sharded.mkdir()
     (sharded / "meta.json").write_text("not json")
     with pytest.raises(ValueError, match=rf"{sharded}/meta.json is not valid JSON"):
-        ev.load_model(str(sharded))
+        trained.load_model(str(sharded))
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ValueError, match=rf"{tmp_path}/config.json is not valid JSON"):
-        finetune.load_hf_qwen3(str(tmp_path))
+        load_hf_qwen3(str(tmp_path))
 
 
 def test_a_file_round_trips_with_its_checksum(tmp_path):

@@ -21,7 +21,9 @@ import checkpoint
 import cli
 import data
 import distributed
+import shards
 import train
+from config import TrainConfig
 from model import Model, ModelConfig
 
 SMALL = dict(d_model=32, n_layers=3, n_blocks=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
@@ -32,9 +34,9 @@ TRAIN = dict(seq_len=32, batch_size=8, micro_batch_size=2, max_steps=MAX_STEPS, 
              eval_interval=1000, warmup_steps=2, lr=3e-3, device="cpu")
 
 
-def configs(residual: str, out_dir: str, kernel: str = "auto", **overrides) -> tuple[ModelConfig, train.TrainConfig]:
+def configs(residual: str, out_dir: str, kernel: str = "auto", **overrides) -> tuple[ModelConfig, TrainConfig]:
     return (ModelConfig(residual=residual, kernel=kernel, **SMALL),
-            train.TrainConfig(out_dir=str(out_dir), **{**TRAIN, **overrides}))
+            TrainConfig(out_dir=str(out_dir), **{**TRAIN, **overrides}))
 
 
 class WindowSpy:
@@ -42,14 +44,14 @@ class WindowSpy:
 
     def __init__(self, monkeypatch_setattr):
         self.ids: list[int] = []
-        original = data.ShardLoader.next_batch
+        original = shards.ShardLoader.next_batch
 
         def next_batch(loader):
             batch = original(loader)
             if loader.shuffle:
                 self.ids.extend(loader.last_ids.tolist())
             return batch
-        monkeypatch_setattr(data.ShardLoader, "next_batch", next_batch)
+        monkeypatch_setattr(shards.ShardLoader, "next_batch", next_batch)
 
 
 # --------------------------------------------------------------------------------------- the worker
@@ -125,7 +127,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[dict, str]:
     out = str(tmp_path_factory.mktemp("torchrun"))
-    train.data_dir(train.TrainConfig())  # prepare the corpus once, before two processes look for it
+    data.data_dir(TrainConfig().data)  # prepare the corpus once, before two processes look for it
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -21,7 +21,9 @@ import cli
 import data
 import files
 import runlog
+import shards
 import train
+from config import TrainConfig, load_config
 from model import Model, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +37,7 @@ def run(tmp_path, *extra):
 
 
 def test_config_file_and_overrides():
-    model_cfg, cfg = train.load_config(["configs/tiny_delta_block.py", "--n_blocks=2", "--lr=1e-3",
+    model_cfg, cfg = load_config(["configs/tiny_delta_block.py", "--n_blocks=2", "--lr=1e-3",
                                         "--resume", "--block_source=paper"])
     assert (model_cfg.residual, model_cfg.n_blocks, model_cfg.block_source) == ("delta_block", 2, "paper")
     assert cfg.lr == 1e-3 and cfg.resume is True and cfg.max_steps == 600
@@ -50,20 +52,20 @@ def test_config_file_and_overrides():
 ])
 def test_config_errors(argv, error, message):
     with pytest.raises(error, match=message):
-        train.load_config(argv)
+        load_config(argv)
 
 
 def test_unknown_key_in_config_file(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("d_model = 64\nlearning_rate = 1e-3\n")
     with pytest.raises(KeyError, match="learning_rate"):
-        train.load_config([str(path)])
+        load_config([str(path)])
 
 
 def test_initial_loss_is_log_vocab():
     torch.manual_seed(0)
     model = Model(ModelConfig(residual="delta_block", n_blocks=4))
-    loader = data.ShardLoader(train.data_dir(train.TrainConfig()), "train", 8, 64)
+    loader = shards.ShardLoader(data.data_dir(TrainConfig().data), "train", 8, 64)
     x, y = loader.next_batch()
     assert abs(train.loss_fn(model, x, y).item() - math.log(257)) < 0.05
 
@@ -72,9 +74,9 @@ def test_one_batch_overfits():
     torch.manual_seed(0)
     model = Model(ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128,
                               residual="delta_block", n_blocks=2))
-    cfg = train.TrainConfig(weight_decay=0.0)
+    cfg = TrainConfig(weight_decay=0.0)
     opt = torch.optim.AdamW(train.param_groups(model, cfg), lr=3e-3)
-    x, y = data.ShardLoader(train.data_dir(cfg), "train", 4, 32).next_batch()
+    x, y = shards.ShardLoader(data.data_dir(cfg.data), "train", 4, 32).next_batch()
     for _ in range(150):
         loss = train.loss_fn(model, x, y)
         opt.zero_grad()
@@ -121,15 +123,15 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 
 
 def test_corrupt_shard_is_a_clear_error(tmp_path):
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    data.write_shard(str(shards / "train_000000.bin"), np.arange(1000) % 257, 257, "byte")
-    data.write_shard(str(shards / "val_000000.bin"), np.arange(500) % 257, 257, "byte")
-    (shards / "meta.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257}))
-    with open(shards / "train_000000.bin", "r+b") as f:
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    shards.write_shard(str(folder / "train_000000.bin"), np.arange(1000) % 257, 257, "byte")
+    shards.write_shard(str(folder / "val_000000.bin"), np.arange(500) % 257, 257, "byte")
+    (folder / "meta.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257}))
+    with open(folder / "train_000000.bin", "r+b") as f:
         f.truncate(600)
     with pytest.raises(ValueError, match="train_000000.bin"):
-        run(tmp_path / "out", f"--data={shards}", "--max_steps=1")
+        run(tmp_path / "out", f"--data={folder}", "--max_steps=1")
 
 
 def test_vocab_mismatch_is_a_clear_error(tmp_path):
@@ -143,14 +145,14 @@ def test_time_budget_stops_early(tmp_path):
 
 
 def test_global_batch_must_divide_over_ranks_and_micro_batches():
-    cfg = train.TrainConfig(batch_size=8, micro_batch_size=2)
+    cfg = TrainConfig(batch_size=8, micro_batch_size=2)
     assert [train.batch_split(cfg, world) for world in (1, 2, 4)] == [(2, 4), (2, 2), (2, 1)]
     with pytest.raises(ValueError, match="batch_size=8 is not a multiple of micro_batch_size=2 x world_size=3 = 6"):
         train.batch_split(cfg, 3)
 
 
 def test_micro_batch_left_out_is_the_batch_over_the_world_size():
-    cfg = train.TrainConfig(batch_size=8)
+    cfg = TrainConfig(batch_size=8)
     assert [train.batch_split(cfg, world) for world in (1, 2, 8)] == [(8, 1), (4, 1), (1, 1)]
     with pytest.raises(ValueError, match="batch_size=8 does not split over 3 processes"):
         train.batch_split(cfg, 3)
@@ -239,7 +241,7 @@ def test_nonsense_config_values_name_key_value_and_allowed_values(arg, allowed):
     key, value = arg.split("=")
     shown = repr(value if key in ("device", "out_dir") else ast.literal_eval(value))  # as the config holds it
     with pytest.raises(ValueError, match=f"^{key}={re.escape(shown)}: allowed values are {allowed}"):
-        train.load_config(["configs/tiny_delta_block.py", f"--{arg}"])
+        load_config(["configs/tiny_delta_block.py", f"--{arg}"])
 
 
 def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
@@ -248,7 +250,7 @@ def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
     assert proc.returncode == 1
     assert proc.stderr == "train.py: error: eval_interval=0: allowed values are integers >= 1\n"
     with pytest.raises(KeyError) as user:
-        train.load_config(["--n_blcks=2"])
+        load_config(["--n_blcks=2"])
     with pytest.raises(RuntimeError) as bug:
         torch.zeros(2) @ torch.zeros(3)
     assert cli.is_user_error(user.value) and not cli.is_user_error(bug.value)
@@ -290,18 +292,18 @@ def test_out_dir_is_locked_by_the_run_that_owns_it(tmp_path):
 
 
 def test_resume_on_another_tokenizers_data_is_an_error(tmp_path):
-    shards = tmp_path / "shards"
+    folder = tmp_path / "shards"
 
     def write(tokenizer):
-        shards.mkdir(exist_ok=True)
+        folder.mkdir(exist_ok=True)
         for split, n in (("train", 2000), ("val", 500)):
-            data.write_shard(str(shards / f"{split}_000000.bin"), np.arange(n) % 257, 257, tokenizer)
-        (shards / "meta.json").write_text(json.dumps({"tokenizer": tokenizer, "vocab_size": 257}))
+            shards.write_shard(str(folder / f"{split}_000000.bin"), np.arange(n) % 257, 257, tokenizer)
+        (folder / "meta.json").write_text(json.dumps({"tokenizer": tokenizer, "vocab_size": 257}))
     write("byte")
-    run(tmp_path / "out", f"--data={shards}", "--max_steps=1")
+    run(tmp_path / "out", f"--data={folder}", "--max_steps=1")
     write("another-bpe")  # the same vocabulary size, other tokens
     with pytest.raises(ValueError, match="--resume: the checkpoint was trained on .*'byte'.* holds .*'another-bpe'"):
-        run(tmp_path / "out", f"--data={shards}", "--max_steps=2", "--resume")
+        run(tmp_path / "out", f"--data={folder}", "--max_steps=2", "--resume")
 
 
 def test_flops_per_token_counts_every_matmul_weight():

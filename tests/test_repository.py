@@ -1,0 +1,144 @@
+"""The repository's own shape: every module imports alone, imports form no circle (lazy imports included), no
+module's name is used through another module that merely imports it, no library file is over 400 lines and
+no library function over 60."""
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+# The sweep is an experiment, not library code: it is to live under experiments/, which the limits skip.
+EXPERIMENTS = ("experiments", "sweep.py")
+# Over 400 lines today; a file leaves this set when it is split.
+LONG_KERNEL_FILES = {"kernels/depth_route.py", "kernels/grouped.py"}
+# Uses of a re-exported name that remain; an entry leaves this set when its caller imports from the source.
+REEXPORT_USES = {"tests/test_model.py: train.load_config"}
+
+
+def python_files() -> list[str]:
+    """The repository's .py files, as paths relative to ROOT."""
+    found = []
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        found += [os.path.relpath(os.path.join(folder, n), ROOT) for n in sorted(names) if n.endswith(".py")]
+    return found
+
+
+def module_name(path: str) -> str:
+    return path[:-len(".py")].replace(os.sep, ".").removesuffix(".__init__")
+
+
+# The importable modules: the top level and the kernels package (configs are run as files, tests by pytest).
+MODULES = {module_name(p): p for p in python_files()
+           if os.sep not in p or p.startswith("kernels" + os.sep)}
+
+
+def parse(path: str) -> ast.Module:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return ast.parse(f.read(), path)
+
+
+def imported_modules(node: ast.AST) -> list[str]:
+    """The repository modules an import statement names: `import a.b`, `from a import b` (module a.b if it is
+    one, else a), `from a.b import c`."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in MODULES]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES]
+        return subs or ([node.module] if node.module in MODULES else [])
+    return []
+
+
+def library_files(skip: tuple[str, ...]) -> list[str]:
+    return [p for p in python_files() if not p.startswith(skip) and p not in EXPERIMENTS
+            and not p.startswith(EXPERIMENTS[0] + os.sep)]
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+    def run(name: str) -> tuple[str, subprocess.CompletedProcess]:
+        return name, subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        failed = {name: proc.stderr.strip().splitlines()[-1:] for name, proc in pool.map(run, sorted(MODULES))
+                  if proc.returncode != 0}
+    assert not failed
+
+
+def test_imports_form_no_circle():
+    """Every import counts, also one inside a function: a lazy import must not be a way around a circle."""
+    edges = {name: {m for node in ast.walk(parse(path)) for m in imported_modules(node)} - {name}
+             for name, path in MODULES.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            pytest.fail("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name not in done:
+            for other in sorted(edges[name]):
+                visit(other, path + [name])
+            done.add(name)
+
+    for name in sorted(edges):
+        visit(name, [])
+
+
+def names_imported_from_the_repository(path: str) -> set[str]:
+    """The names a module binds at its top level by importing them from another repository module."""
+    names = set()
+    for node in parse(path).body:
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name in MODULES}
+        elif imported_modules(node) and isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def test_names_are_used_from_the_module_that_defines_them():
+    """`train.TrainConfig` or `from eval import load_model`, where train or eval only imports the name, would
+    make every importer depend on a re-export."""
+    imported = {name: names_imported_from_the_repository(path) for name, path in MODULES.items()}
+    found = []
+    for path in python_files():
+        if path.startswith("configs" + os.sep):
+            continue
+        tree = parse(path)
+        aliases = {a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for a in node.names if a.name in MODULES and "." not in a.name}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                if node.attr in imported[aliases[node.value.id]]:
+                    found.append(f"{path}: {node.value.id}.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module in imported:
+                found += [f"{path}: from {node.module} import {a.name}" for a in node.names
+                          if a.name in imported[node.module]]
+    assert set(found) <= REEXPORT_USES
+
+
+def test_no_library_file_is_over_400_lines():
+    long = {}
+    for path in library_files(skip=("tests" + os.sep,)):
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+        if n > MAX_FILE_LINES and path not in LONG_KERNEL_FILES:
+            long[path] = n
+    assert not long
+
+
+def test_no_function_outside_the_kernels_is_over_60_lines():
+    """From the `def` (or its first decorator) to its last line, nested functions included."""
+    long = []
+    for path in library_files(skip=("tests" + os.sep, "kernels" + os.sep)):
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    long.append(f"{path}:{start} {node.name}: {node.end_lineno - start + 1} lines")
+    assert not long
