@@ -222,6 +222,16 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
+    def forward(self, state: DepthState, rope: tuple[Tensor, Tensor], cache: KVCache | None = None) -> None:
+        """Both sublayers, each as: x = n_l(h^_l), the pre-norm of its routed input (router.DepthState.input:
+        h~_l, h~_l + r_l, h~_l + γ_l r_l or r_l); v_l = f_l(x); then the residual add h~_{l+1} = h~_l + v_l,
+        from the stream h~_l and never from h^_l (state.add). The stream lives in `state`, which also files
+        v_l into the routing sources."""
+        x = state.input(self.input_layernorm)                  # (B, T, d)  n_l(h^_l)
+        state.add(self.self_attn(x, rope, cache))              # h~_{l+1} = h~_l + attn(x)
+        x = state.input(self.post_attention_layernorm)         # (B, T, d)  n_{l+1}(h^_{l+1})
+        state.add(self.mlp(x))                                 # h~_{l+2} = h~_{l+1} + mlp(x)
+
 
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -271,12 +281,10 @@ class Model(nn.Module):
         start = cache[0].length if cache else 0                                 # absolute position of idx[:, 0]
         cos, sin = rope_cos_sin(start + idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
         rope = cos[start:], sin[start:]
-        state = self.depth_state(h)
+        state = self.depth_state(h)                                             # holds the stream h~
         for i, layer in enumerate(self.layers):
-            x = state.input(layer.input_layernorm)                              # (B, T, d)
-            state.add(layer.self_attn(x, rope) if cache is None else layer.self_attn(x, rope, cache[i]))
-            state.add(layer.mlp(state.input(layer.post_attention_layernorm)))
-        return self.lm_head(state.output(self.norm))
+            layer(state, rope, None if cache is None else cache[i])             # two reads, two residual adds
+        return self.lm_head(state.output(self.norm))                            # final norm of h~ (or of a read)
 
     def depth_state(self, embedding: Tensor) -> DepthState:
         """The routing state of one forward pass: the reference, or the kernels' memory-lean state (the

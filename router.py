@@ -1,16 +1,23 @@
 """Depth routing: Eq. 1 (a softmax over depth) and Eq. 2 (additive routing) of Delta Attention Residuals.
 
-Read this file first, then model.py. Every sublayer l (attention or MLP) may read, per token, a convex mix
-of earlier "sources" s_i (the embedding, earlier sublayer outputs, or sums of them over a block):
+Read this file first, then model.py; docs/method.md derives what is stated here. Every sublayer l (attention
+or MLP) may read, per token, a convex mix of earlier "sources" s_i (the embedding e, earlier sublayer
+outputs, or sums of them over a block):
 
-    e_i = w_l . RMSNorm_{g_l}(s_i)        keys are normalised sources, w_l a static learned query
-    a_i = softmax_i(e_i)                  softmax over the N sources (the depth axis)
-    r_l = sum_i a_i s_i                   values are the un-normalised sources
+    z_i = w_l . RMSNorm_{g_l}(s_i)        logits: keys are normalised sources, w_l a static learned query,
+                                          g_l the receiver's own RMSNorm weight
+    a_i = softmax_i(z_i)                  softmax over the N sources (the depth axis)
+    r_l = sum_i a_i s_i                   values are the un-normalised sources          (Eq. 1)
 
-and uses the read-out r_l either additively (Eq. 2: h^_l = h~_l + g_l r_l, the stream h~ is kept) or as a
-replacement (Kimi's AttnRes: h^_l = r_l). The five methods differ only in which sources exist, when a
-source is committed, and how the read is used; `Policy` holds exactly those facts and `DepthState` runs
-them, so the model's sublayer loop never branches on a method's name.
+and uses the read-out r_l in one of three ways (DepthState.input):
+
+    additive (Eq. 2, the paper's):        h^_l = h~_l + r_l         the stream h~ is kept
+    gated additive (an extension here):   h^_l = h~_l + γ_l r_l     scalar γ_l = 0 at init: exact identity
+    replacement (Kimi's AttnRes):         h^_l = r_l
+
+The five methods differ only in which sources exist, when a source is committed, and how the read is used;
+`Policy` holds exactly those facts and `DepthState` runs them, so the model's sublayer loop never branches on
+a method's name.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def depth_weights(values: Tensor, query: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
     """a_i of Eq. 1. values: (N, B, T, d) stacked sources; query, norm_weight: (d,) -> (N, B, T)."""
     keys = rms_norm(values, norm_weight, eps)                    # (N, B, T, d)  RMSNorm_g(s_i)
-    logits = keys @ query                                        # (N, B, T)     e_i = w . key_i
+    logits = keys @ query                                        # (N, B, T)     z_i = w . key_i
     return logits.softmax(dim=0)                                 # (N, B, T)     a_i, over depth
 
 
@@ -54,11 +61,11 @@ def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: 
 
 class Router(nn.Module):
     """The parameters one receiving sublayer owns: a static query w_l, its own RMSNorm weight g_l, an optional
-    scalar gate and an optional learned null source.
+    scalar gate γ_l and an optional learned null source n_l.
 
     query_init_std: the query starts at N(0, std), or at zero (uniform weights, as the paper states) for 0.
-    gate: a scalar g starting at zero, so h^ = h~ + g r is an exact identity at initialisation (zero queries
-        alone are not one). The gate's gradient at g = 0 is <dL/dh^, r>; with zero queries and sources that
+    gate: a scalar γ starting at zero, so h^ = h~ + γ r is an exact identity at initialisation (zero queries
+        alone are not one). The gate's gradient at γ = 0 is <dL/dh^, r>; with zero queries and sources that
         sum to the stream, r = c h~ and the scale-invariant pre-norm makes that vanish, so a gated router
         needs random queries to learn (ModelConfig's default for gate=True is N(0, 0.02)).
     learned_null: the null source is a learned vector n_l (d,) of this receiver, zero at init (the authors'
@@ -90,7 +97,8 @@ class Router(nn.Module):
 class Policy:
     """A method, as data.
 
-    read:          "none" (plain pre-norm residual), "add" (Eq. 2) or "replace" (AttnRes).
+    read:          "none" (plain pre-norm residual), "add" (Eq. 2, gated if the routers have a gate) or
+                   "replace" (AttnRes).
     boundaries:    sublayer indices where a new block starts: there the block before becomes a committed
                    source. Every index -> fine-grained (each output is a source); block starts -> block sources.
     block_source:  what is committed: "boundary" = the sum of outputs since the last boundary, which is
@@ -218,15 +226,18 @@ class DepthState:
             self.commit_block()
 
     def input(self, norm: nn.Module | None = None) -> Tensor:
-        """The input of sublayer l: h~ (baseline), h~ + g r (additive) or r (replacement), passed through the
-        sublayer's pre-norm if one is given (the kernel path fuses the read with that norm)."""
+        """The input of sublayer l, passed through the sublayer's pre-norm n_l if one is given (the kernel
+        path fuses the read with that norm). One branch per use of the read."""
         self.commit()
         if not self.reads():
-            x = self.h
+            x = self.h                                    # baseline (or a sublayer before reads_from): h~_l
+        elif self.policy.read == "replace":
+            x = self.read(self.router())                  # AttnRes: h^_l = r_l
+        elif self.router().gate is None:
+            x = self.h + self.read(self.router())         # Eq. 2: h^_l = h~_l + r_l
         else:
             router = self.router()
-            r = self.read(router)
-            x = r if self.policy.read == "replace" else self.h + (r if router.gate is None else router.gate * r)
+            x = self.h + router.gate * self.read(router)  # gated Eq. 2: h^_l = h~_l + γ_l r_l
         return x if norm is None else norm(x)
 
     def add(self, v: Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The depth sweep's model (sweep.py --depth): the sweep's miniature model (configs/sweep_l12.py) at the depth of
+"""The depth sweep's model (python -m experiments.sweep --depth): the sweep's miniature model (configs/sweep_l12.py) at the depth of
 the paper's 1044M model, 36 layers, narrowed to d = 32 so that baseline, attnres, delta_block and delta at 36
 and 12 layers, 3 seeds each, train in about 2 hours on one CPU core (the reference path's fine-grained delta
 stacks up to 73 sources per sublayer: 1.5 s a step at 36 layers). The 12-layer runs override n_layers only."""

@@ -32,8 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from kernels import depth_route, grouped
-from kernels.depth_route import Launch, observe_launches
+from kernels import depth_route, grouped, receiver
+from kernels.launch import Launch, observe_launches, register_budget
 from kernels.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
@@ -145,12 +145,12 @@ def compile_one(name: str, spec: tuple) -> Compiled:
 
 def programs_per_sm(name: str) -> int:
     """How many programs of a kernel are meant to share an SM (each kernel module says, with the reason)."""
-    return {**depth_route.PROGRAMS_PER_SM, **grouped.PROGRAMS_PER_SM}[name.split()[0]]
+    return {**depth_route.PROGRAMS_PER_SM, **grouped.PROGRAMS_PER_SM, **receiver.PROGRAMS_PER_SM}[name.split()[0]]
 
 
 def register_bound(num_warps: int, programs: int = 2) -> int:
     """Registers per thread that let `programs` programs of num_warps warps share an SM (255 at most)."""
-    return depth_route.register_budget(num_warps, programs)
+    return register_budget(num_warps, programs)
 
 
 def check(c: Compiled) -> list[str]:

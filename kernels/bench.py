@@ -31,7 +31,8 @@ import time
 import torch
 import triton
 
-from kernels.depth_route import Launch, observe_launches, route_backward, route_forward, source_table
+from kernels.depth_route import route_backward, route_forward
+from kernels.launch import Launch, observe_launches, source_table
 from kernels.traffic import ByteCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,33 +20,19 @@ address table by dtype and the kernels run one loop per dtype, so no loop branch
 has sources[0]'s dtype, as in the reference.
 
 Made for memory bandwidth on a GPU (tests/test_gpu_ready.py checks the compiled code for sm_90 on a CPU):
-- an address read from the table is an integer, so the compiler knows nothing of its alignment; every
-  launcher guarantees 16-byte aligned, contiguous tensors (copying the rare view that is not) and the kernels
-  say so with tl.multiple_of, which turns the source loads into 128-bit loads;
-- the loops over sources are software-pipelined (tl.range(num_stages=...)): the next source's tile is in
-  flight while the current one is reduced;
-- rows per program and warps are chosen per width (`_config`) so that no kernel spills registers at the
-  paper's widths;
-- host work per launch is O(N): one address table, uploaded in one copy; launches run on the tensors' device.
-
-Every launch goes through `_launch`, which hands a description of it (kernel, arguments, the tensors it reads
-and writes) to observers first: kernels/traffic.py counts bytes with it, the GPU-readiness test compiles
-exactly the specialisations the model launches, and kernels/bench.py times the host path without launching.
+sources come through aligned address tables (kernels/launch.py) as 128-bit loads; the loops over sources are
+software-pipelined (tl.range(num_stages=...)), so the next source's tile is in flight while the current one is
+reduced; rows per program and warps are chosen per width (`_config`) so that nothing spills at the paper's
+widths. The jit helpers here are shared with the grouped kernels (kernels/grouped.py, kernels/receiver.py).
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-ALIGN = 16   # bytes: every address the kernels read through a table is a multiple of this (128-bit loads)
-
+from kernels.launch import DTYPES, SourceTable, _aligned, _interpreting, _launch, register_budget, source_table
 
 # -------------------------------------------------------------------------------------------- kernels
 
@@ -188,110 +174,6 @@ def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, h_ptr, base_ptr, d
 
 # ------------------------------------------------------------------------------------------ launching
 
-@dataclass
-class Launch:
-    """One kernel launch as observers see it: the kernel, its grid and keyword arguments (launch options
-    included), and what it reads and writes in full: tensors, or a SourceTable (every source in it), each
-    read the given number of times."""
-    kernel: triton.JITFunction
-    grid: int
-    args: dict
-    reads: list[tuple[Tensor | SourceTable, int]]
-    writes: list[Tensor]
-
-
-_observers: list[Callable[[Launch], bool]] = []
-
-
-@contextmanager
-def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
-    """Call observer(launch) before every launch in the block; the launch is skipped if it returns True
-    (so launches can be counted on meta tensors, or timed without a GPU)."""
-    _observers.append(observer)
-    try:
-        yield
-    finally:
-        _observers.remove(observer)
-
-
-def _launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor | SourceTable, int]], writes: list[Tensor],
-            device: torch.device, **args) -> None:
-    if _observers:
-        launch = Launch(kernel, grid, args, reads, writes)
-        if any([observer(launch) for observer in _observers]):
-            return
-    if device.type == "cuda":
-        with torch.cuda.device(device):   # Triton launches on the current device, not the tensors'
-            kernel[(grid,)](**args)
-    elif device.type == "cpu" and not _interpreting():
-        raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
-                           "to run them on CPU, or use kernel='reference'")
-    else:
-        kernel[(grid,)](**args)
-
-
-def _interpreting() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_route_fwd, InterpretedFunction)
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """t itself if it is contiguous and 16-byte aligned, else a contiguous copy (a fresh allocation is)."""
-    if t.is_contiguous() and t.data_ptr() % ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-@dataclass
-class SourceTable:
-    """The sources of one read as the kernels see them: contiguous and 16-byte aligned (a copy of any that is
-    not), ordered by dtype (the n_a of sources[0]'s dtype first), and their addresses on the device, uploaded
-    in one copy. Built once per forward read; its backward reuses it."""
-    tensors: list[Tensor]       # in table order
-    order: list[int]            # table position -> index in the caller's list of sources
-    n_a: int
-    addresses: Tensor           # (N,) int64, on the sources' device
-
-    def dtype(self, group: int) -> tl.dtype:
-        return DTYPES[self.tensors[0 if group == 0 else -1].dtype]
-
-    def in_caller_order(self, values: list) -> list:
-        out = [None] * len(values)
-        for position, i in enumerate(self.order):
-            out[i] = values[position]
-        return out
-
-
-def source_table(sources: list[Tensor]) -> SourceTable:
-    """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table."""
-    if not sources:
-        raise ValueError("depth_route needs at least one source")
-    first = sources[0]
-    if first.dim() != 3:
-        raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(first.shape)}")
-    shape, device, dtype_a = first.shape, first.device, first.dtype
-    a, b, dtype_b = [], [], None
-    for i, s in enumerate(sources):
-        if s.shape != shape or s.device != device:
-            raise ValueError(f"sources[{i}] is {tuple(s.shape)} on {s.device}; every source must match "
-                             f"sources[0]: {tuple(shape)} on {device}")
-        if s.dtype == dtype_a:
-            a.append(i)
-        elif dtype_b is None or s.dtype == dtype_b:
-            dtype_b = s.dtype
-            b.append(i)
-        else:
-            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
-    for dtype in (dtype_a, dtype_b or dtype_a):
-        if dtype not in DTYPES:
-            raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
-                             f"got {dtype} (the reference router.depth_route takes any float dtype)")
-    order = a + b
-    tensors = [_aligned(sources[i]) for i in order]
-    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
-    return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
-
-
 def _check(table: SourceTable, query: Tensor, norm_weight: Tensor, diff: tuple[Tensor, Tensor] | None) -> None:
     first = table.tensors[0]
     d = first.shape[-1]
@@ -304,13 +186,6 @@ def _check(table: SourceTable, query: Tensor, norm_weight: Tensor, diff: tuple[T
 
 
 PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/aot.py checks registers against
-
-
-def register_budget(num_warps: int, programs_per_sm: int) -> int:
-    """Registers per thread that let `programs_per_sm` programs of num_warps warps share an SM (65,536
-    registers per SM on sm_90; 255 at most). Passed to ptxas as the kernel's limit: left alone, ptxas caps some
-    of these kernels at 128 and spills rather than use what one program per SM may."""
-    return min(255, 65536 // (programs_per_sm * 32 * num_warps))
 
 
 def _config(M: int, d: int, backward: bool = False) -> dict:

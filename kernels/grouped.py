@@ -19,13 +19,10 @@ so a receiver's backward needs only its own sources and writes go, D (and keeps 
 then reads each committed source once, sums ds_i over the group's receivers and adds it in place into one
 gradient accumulator per source, and gives each receiver the committed part of its du.
 
-Kernels (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned loads; pipelined):
-- `_group_fwd`:   phase 1, R receivers at once, one token row per program: (r_C, lse_C) per receiver.
-- `_receiver_fwd`: phase 2 fused with the mix and the pre-norm: y = RMSNorm_w(h + gate r) (or of r), and lse.
-- `_receiver_bwd`: recomputes r, x and the norm; dy -> dx -> go = dL/dr; the receiver's own sources' gradients
-                   into their accumulators, the partial block's into dh and (negated) its base's; go, D for
-                   the group; partial sums of du, the norm weight's and the gate's gradients.
-- `_group_bwd`:    the committed sources' gradients summed over the receivers, and their du.
+This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
+loads; pipelined); phase 2, fused with the pre-norm, is kernels/receiver.py:
+- `_group_fwd`: R receivers at once, one token row per program: (r_C, lse_C) per receiver;
+- `_group_bwd`: the committed sources' gradients summed over the receivers, and their du.
 """
 from __future__ import annotations
 
@@ -34,11 +31,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.depth_route import (DTYPES, SourceTable, _diff_source, _folded_query, _interpreting, _launch, _logit,
-                                 _softmax_step, _source_grad, _table_source, register_budget)
+from kernels.depth_route import _softmax_step, _table_source
+from kernels.launch import SourceTable, _interpreting, _launch, register_budget, wave
 
 # ------------------------------------------------------------------------------------------------ kernels
-
 
 @triton.jit
 def _accumulate(ptr, ds, offs, mask, accumulate):
@@ -142,211 +138,12 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
              du)
 
 
-@triton.jit
-def _mix(h, r, gate, ADD: tl.constexpr, X_DTYPE: tl.constexpr):
-    """x = h + gate r (additive, Eq. 2; gate 1.0 without a gate: exactly h + r) or r (replacement), rounded to
-    the dtype the reference mixes in."""
-    if ADD:
-        x = h + gate * r
-    else:
-        x = r
-    return x.to(X_DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The online softmax's starting (max, normaliser, sum): phase 1's (lse_C, 1, r_C), or empty."""
-    if HAS_STATE:
-        m = tl.load(lse_c_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=0.0)
-        l = tl.full((BLOCK_M,), 1.0, tl.float32)
-        acc = tl.load(state_ptr + slot.to(tl.int64) * slab + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    return m, l, acc
-
-
-@triton.jit
-def _null_source(null_ptr, NULL: tl.constexpr, u, cols, d, eps):
-    """The null source (BLOCK_D,) and its logit: the receiver's learned vector (NULL == 2), or zero (value 0,
-    logit 0) otherwise."""
-    if NULL == 2:
-        n = tl.load(null_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    else:
-        n = tl.zeros((u.shape[0],), tl.float32)
-    rstd = tl.rsqrt(tl.sum(n * n, axis=0) / d + eps)
-    return n, tl.sum(n * u, axis=0) * rstd, rstd
-
-
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
-def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, M, d, eps, norm_eps,
-                  A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-    """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
-    source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
-    the full lse to lse_ptr + slot M."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols < d)[None, :]
-    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-    u = _folded_query(q_ptr, g_ptr, cols, d)
-    m, l, acc = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
-                             BLOCK_D)
-    for i in tl.range(0, n_a, num_stages=STAGES):
-        s = _table_source(table, i, A_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = _table_source(table, i, B_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    if ADD or HAS_DIFF:
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DIFF:                          # the partial block h - base
-        p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m, l, acc = _softmax_step(m, l, acc, p, _logit(p, u, d, eps)[0])
-    if NULL != 0:                         # the null source: 0 (none), 1 (zero), 2 (learned, at null_ptr)
-        n, e_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
-        m, l, acc = _softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + e_n)
-    tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
-    r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
-    gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
-    x = _mix(h, r, gate, ADD, X_DTYPE)
-    xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dsum_lo", "dsum_hi", "tiles",
-                             "accumulate"])
-def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, go_ptr, D_ptr,
-                  dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles,
-                  accumulate, M, d, eps, norm_eps,
-                  A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
-                  NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-    """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
-    block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
-    (partial), since this receiver's h is their base), -dL/d(partial) at dbase_ptr, the table sources'
-    gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and per-program
-    partial sums of du, dw (norm weight) and dgate."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    u = _folded_query(q_ptr, g_ptr, cols, d)
-    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
-    if NULL == 2:                         # the learned null's vector and logit
-        n, e_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
-    du = tl.zeros((BLOCK_D,), tl.float32)
-    dw = tl.zeros((BLOCK_D,), tl.float32)
-    dgate = tl.zeros((BLOCK_M,), tl.float32)
-    for t in range(tiles):
-        rows = (pid * tiles + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols < d)[None, :]
-        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-        lse = tl.load(lse_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=float("inf"))  # rows past M:
-        # every weight exp(z - lse) is 0, so nothing there overflows into the sums over rows
-        # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(e_i - lse) s_i (+ the partial block's term)
-        m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
-                               BLOCK_D)
-        r = r * tl.exp(m - lse)[:, None]
-        for i in tl.range(0, n_a, num_stages=STAGES):
-            s = _table_source(table, i, A_DTYPE, offs, mask)
-            r += tl.exp(_logit(s, u, d, eps)[0] - lse)[:, None] * s
-        for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = _table_source(table, i, B_DTYPE, offs, mask)
-            r += tl.exp(_logit(s, u, d, eps)[0] - lse)[:, None] * s
-        h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        if ADD or HAS_DIFF:
-            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_DIFF:
-            p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            r += tl.exp(_logit(p, u, d, eps)[0] - lse)[:, None] * p
-        if NULL == 2:
-            r += tl.exp(e_n - lse)[:, None] * n[None, :]
-        r_mixed = r.to(R_DTYPE).to(tl.float32)
-        # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
-        x = _mix(h, r_mixed, gate, ADD, X_DTYPE)
-        rstd_x = tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)
-        xn = x * rstd_x[:, None]
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dw += tl.sum(dy * xn.to(X_DTYPE).to(tl.float32), axis=0)
-        gy = dy * w[None, :]
-        dx = rstd_x[:, None] * (gy - xn * (tl.sum(gy * xn, axis=1) / d)[:, None])
-        if ADD:                           # x = h + gate r: dL/dh = dx, dL/dr = gate dx
-            dgate += tl.sum(dx * r_mixed, axis=1)
-            dh = dx
-            dr = dx * gate
-        else:
-            dh = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-            dr = dx
-        if HAS_STATE:                     # go as phase 1's backward will read it, used alike here: the
-            dr = dr.to(go_ptr.dtype.element_ty).to(tl.float32)   # softmax backward's go . s_i - D is consistent
-        D = tl.sum(dr * r, axis=1)
-        if HAS_DIFF:                      # d(h - base): + to h, - to base
-            dp, de_rstd = _source_grad(p, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * p, axis=0)
-            dh += dp
-            tl.store(dbase_ptr + offs, (-dp).to(dbase_ptr.dtype.element_ty), mask=mask)
-        if ADD or HAS_DIFF or SUMS:
-            tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-        if HAS_STATE:                     # for phase 1's backward
-            tl.store(go_ptr + slot.to(tl.int64) * slab + offs, dr.to(go_ptr.dtype.element_ty), mask=mask)
-            tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
-        for i in tl.range(0, n_a, num_stages=STAGES):
-            s = _table_source(table, i, A_DTYPE, offs, mask)
-            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * s, axis=0)
-            _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
-        for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = _table_source(table, i, B_DTYPE, offs, mask)
-            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * s, axis=0)
-            _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
-        if SUMS:                          # last, when few registers are live: dh += the group's slots
-            tl.debug_barrier()            # dh stored above by this program's threads, now read back
-            dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            slot_ptr = dsum_ptr + dsum_lo.to(tl.int64) * slab
-            for _ in range(dsum_lo, dsum_hi):
-                dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                slot_ptr += slab
-            tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + pid * BLOCK_D + cols, du)
-    tl.store(dw_ptr + pid * BLOCK_D + cols, dw)
-    tl.store(dgate_ptr + pid, tl.sum(dgate, axis=0))
-
-
 # ------------------------------------------------------------------------------------------ launching
 
-H100_SMS = 132        # streaming multiprocessors assumed where no CUDA device says (the meta device)
-
-
-def slab_of(like: Tensor) -> int:
-    """Elements between consecutive (B, T, d) slots of a buffer: numel rounded up to 16 (16-byte aligned)."""
-    return triton.cdiv(like.numel(), 16) * 16
-
-
-def slots(n: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """An (n, slab) buffer of slots shaped like `like`."""
-    return torch.empty(n, slab_of(like), dtype=dtype or like.dtype, device=like.device)
-
-
-def slot_view(buffer: Tensor, i: int, like: Tensor) -> Tensor:
-    return buffer[i, :like.numel()].view(like.shape)
-
-
-# Programs per SM each kernel is built for (kernels/aot.py checks registers against it). The forward reads
-# keep two programs per SM. Phase 1 holds every receiver's running sum of a row (forward) or its go, query and
-# du (backward), and a receiver's backward holds a row's r, x, dy, dr and h: one program per SM, whose software
-# pipeline keeps the next rows of sources in flight.
-PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1, "_receiver_fwd": 2, "_receiver_bwd": 1}
+# Programs per SM each kernel is built for (kernels/aot.py checks registers against it): phase 1 holds every
+# receiver's running sum of a row (forward) or its go, query and du (backward), so one program per SM, whose
+# software pipeline keeps the next rows of sources in flight.
+PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
 
 
 def _group_config(d: int, backward: bool) -> dict:
@@ -365,33 +162,6 @@ def _group_config(d: int, backward: bool) -> dict:
 def receivers_per_pass(d: int) -> int:
     """How many receivers phase 1's backward serves in one pass over the sources at width d."""
     return _group_config(d, backward=True)["R_BLOCK"]
-
-
-def _receiver_config(M: int, d: int, backward: bool) -> dict:
-    """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile in the
-    forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
-    loops pipelined (the forward's three stages deep below d = 4096, else two)."""
-    block_d = triton.next_power_of_2(d)
-    if _interpreting():
-        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
-    wide = block_d > 2048
-    warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
-    per_thread = 8 if backward or wide else 16
-    block_m = max(1, min(16, per_thread * 32 * warps // block_d))
-    kernel = "_receiver_bwd" if backward else "_receiver_fwd"
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward or wide else 3, num_warps=warps,
-                maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
-
-
-def _tiles(n_tiles: int, kernel: str, device: torch.device) -> tuple[int, int]:
-    """(programs, tiles per program) for a backward kernel over n_tiles row tiles: one wave of programs (the
-    SMs times the kernel's programs per SM), each summing its tiles' du, dw and dgate into one partial sum, so
-    the partial sums stay few."""
-    if _interpreting():
-        return n_tiles, 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
-    tiles = triton.cdiv(n_tiles, sms * PROGRAMS_PER_SM[kernel])
-    return triton.cdiv(n_tiles, tiles), tiles
 
 
 def _dtypes(table: SourceTable) -> dict:
@@ -422,7 +192,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     M, d = first.numel() // first.shape[-1], first.shape[-1]
     cfg = _group_config(d, backward=True)
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
-    programs, tiles = _tiles(M, "_group_bwd", first.device)
+    programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)
     du = torch.empty(triton.cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32,
                      device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
@@ -437,105 +207,3 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                 off_a=off_a, off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps,
                 accumulate=int(accumulate or c > 0), **_dtypes(table), **cfg)
     return du.sum(1).flatten(0, 1)[:n_recv, :d]
-
-
-def _null_args(null: Tensor | bool, placeholder: Tensor) -> dict:
-    """The null-source arguments: none (0), zero (1) or a learned vector (2)."""
-    if isinstance(null, Tensor):
-        return dict(null_ptr=null, NULL=2)
-    return dict(null_ptr=placeholder, NULL=int(bool(null)))
-
-
-def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
-                       lse: Tensor) -> tuple[Tensor, Tensor]:
-    """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
-    the softmax backward of a source that is the same vector n at every row,
-    dn = sum_rows a go + (sum_rows de rstd) u - (sum_rows de rstd) e rstd n / d and du += (sum_rows de rstd) n,
-    with a = exp(e - lse), de rstd = a (go . n - D) rstd (a few (M,) and (d,) ops: an option, not the paper's)."""
-    n, u = null.float(), query.float() * norm_weight.float()
-    rstd = torch.rsqrt(n.pow(2).mean() + eps)
-    e = (n @ u) * rstd
-    a = torch.exp(e - lse)                                                 # (M,)
-    go = go.float()
-    de_rstd = a * (go @ n - D) * rstd
-    c = de_rstd.sum()
-    return a @ go + c * u - c * e * rstd / n.numel() * n, c * n
-
-
-def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
-    """Address table arguments; a receiver with no sources of its own gets an empty table."""
-    if table is None:
-        return dict(table=torch.empty(1, dtype=torch.int64, device=first.device), n_a=0, n_b=0,
-                    A_DTYPE=DTYPES[first.dtype], B_DTYPE=DTYPES[first.dtype])
-    return dict(table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, **_dtypes(table))
-
-
-def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor,
-                     h: Tensor, base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None,
-                     weight: Tensor, eps: float, norm_eps: float, null: Tensor | bool, add: bool,
-                     r_dtype: torch.dtype, x_dtype: torch.dtype, y_dtype: torch.dtype) -> Tensor:
-    """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [state slot] + table sources
-    [+ h - base] [+ a null source: zero if null is True, the (d,) vector if null is a tensor]; writes
-    lse[slot]. h (B, T, d) is the stream (and the partial block's minuend);
-    r and x are rounded to r_dtype and x_dtype where the reference rounds them."""
-    M, d = h.numel() // h.shape[-1], h.shape[-1]
-    y = torch.empty(h.shape, dtype=y_dtype, device=h.device)
-    cfg = _receiver_config(M, d, backward=False)
-    reads = ([(table, 1)] if table is not None else []) + ([(slot_view(state, slot, h), 1)] if state is not None else [])
-    reads += ([(h, 1)] if add or base is not None else []) + ([(base, 1)] if base is not None else [])
-    _launch(_receiver_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads, [y, lse[slot]], h.device,
-            **_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot,
-            slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, y_ptr=y,
-            lse_ptr=lse, **_null_args(null, weight), M=M, d=d, eps=eps,
-            norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None,
-            HAS_DIFF=base is not None, ADD=add, **cfg)
-    return y
-
-
-def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor,
-                      h: Tensor, base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None,
-                      weight: Tensor, eps: float, norm_eps: float, add: bool, r_dtype: torch.dtype,
-                      x_dtype: torch.dtype, dy: Tensor,
-                      accumulators: tuple[Tensor, Tensor, int, int], accumulate: bool, go: Tensor | None,
-                      D: Tensor | None, dbase: Tensor | None, dsum: tuple[Tensor, int, int] | None = None,
-                      null: Tensor | bool = False) -> dict:
-    """Backward of receiver_forward. The table sources' gradients go into `accumulators` (written, or added
-    to when `accumulate`); go[slot], D[slot] are written for phase 1's backward when there is a state;
-    dbase receives -dL/d(partial block); dsum = (buffer, lo, hi): slots lo..hi-1 of buffer are added to dh.
-    Returns {"dh", "du", "dweight", "dgate"} (dh None when h is unused). A learned null's own gradient and
-    its du term are left to `learned_null_grads`, from go, D and lse."""
-    M, d = h.numel() // h.shape[-1], h.shape[-1]
-    cfg = _receiver_config(M, d, backward=True)
-    programs, tiles = _tiles(triton.cdiv(M, cfg["BLOCK_M"]), "_receiver_bwd", h.device)
-    uses_h = add or base is not None or dsum is not None
-    dh = torch.empty_like(h) if uses_h else None
-    dsum_ptr, dsum_lo, dsum_hi = dsum if dsum is not None else (h, 0, 0)
-    du = torch.empty(programs, cfg["BLOCK_D"], dtype=torch.float32, device=h.device)
-    dweight = torch.empty_like(du)
-    dgate = torch.empty(programs, dtype=torch.float32, device=h.device)
-    acc_a, acc_b, off_a, off_b = accumulators
-    n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
-    grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
-    reads = ([(table, 2)] if table is not None else []) + [(dy, 1), (lse[slot], 1)]
-    reads += [(slot_view(state, slot, h), 1)] if state is not None else []
-    reads += ([(h, 1)] if uses_h else []) + ([(base, 1)] if base is not None else [])
-    reads += [(g, 1) for g in grads] if accumulate else []
-    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if dsum is not None else []
-    writes = grads + [du, dweight] + ([dh] * (1 + (dsum is not None)) if uses_h else [])
-    writes += [dbase] if base is not None else []
-    writes += [slot_view(go, slot, h), D[slot]] if state is not None else []
-    _launch(_receiver_bwd, programs, reads, writes, h.device, **_receiver_args(table, h),
-            state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot, slab=slab_of(h), h_ptr=h,
-            base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, dy_ptr=dy,
-            lse_ptr=lse, acc_a_ptr=acc_a,
-            acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
-            dbase_ptr=dbase if dbase is not None else h, go_ptr=go if go is not None else h,
-            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
-            **_null_args(null, weight), du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
-            accumulate=int(accumulate), M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype],
-            X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add,
-            SUMS=dsum is not None, **cfg)
-    return {"dh": dh, "du": du.sum(0)[:d], "dweight": dweight.sum(0)[:d],
-            "dgate": dgate.sum() if gate is not None else None}

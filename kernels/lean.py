@@ -6,7 +6,7 @@ runs the same policy with the kernels of kernels/grouped.py:
 
 - receivers are grouped (`plan_groups`): a Delta Block or AttnRes block is a group; fine-grained methods,
   which commit a source before every sublayer, take groups of `fine_group_size` consecutive receivers;
-- at a group's start one autograd node (`GroupRead`) reads the committed sources once for all of the group's
+- at a group's start one autograd node (`GroupRead`, kernels/grouped.py) reads the committed sources once for all of the group's
   receivers (phase 1) and keeps, per receiver, r_C (in the sources' dtype) and lse_C;
 - each receiver is one node (`ReceiverRead`) that finishes its read (phase 2) over its own sources (outputs
   committed since the group began; the partial block as h~ - base, never stored; a null source as a flag)
@@ -28,9 +28,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernels.depth_route import SourceTable, _aligned, source_table
-from kernels.grouped import (group_backward, group_forward, learned_null_grads, receiver_backward,
-                             receiver_forward, receivers_per_pass, slot_view, slots)
+from kernels.grouped import group_backward, group_forward, receivers_per_pass
+from kernels.launch import SourceTable, _aligned, slot_view, slots, source_table
+from kernels.receiver import learned_null_grads, receiver_backward, receiver_forward
 from router import DepthState, Policy, Router
 
 
@@ -250,7 +250,9 @@ class GroupedDepthState(DepthState):
         super().__init__(*args, **kwargs)
         n_sublayers = len(self.routers) + self.policy.reads_from - int(self.policy.final_read)
         commits = commits_before(self.policy, n_sublayers)
-        fine = all(commits[1:])                                       # a source committed before every read
+        # fine-grained: a source committed before every sublayer's read (a final read finds none new: it reads
+        # the last output as the partial)
+        fine = all(commits[1:n_sublayers - self.policy.reads_from])
         size = group_size or (fine_group_size(n_sublayers, self.h.shape[-1]) if fine else 1)
         self.plan = plan_groups(commits, size)
         self.bank = GradBank(self.sources)

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.depth_route import Launch, SourceTable, observe_launches
+from kernels.launch import Launch, SourceTable, observe_launches
 from model import Model, ModelConfig, RMSNorm
 from runlog import flops_per_token
 
@@ -135,7 +135,7 @@ def _stub(model: Model, counter: ByteCounter, output_dtype: torch.dtype) -> None
     """Replace the sublayers and the head by stubs and the norms by compiled-norm counters, on this instance."""
     vocab = model.cfg.vocab_size
     for layer in model.layers:
-        layer.self_attn.forward = lambda x, rope: _Stub.apply(x, x.shape, output_dtype)
+        layer.self_attn.forward = lambda x, rope, cache=None: _Stub.apply(x, x.shape, output_dtype)
         layer.mlp.forward = lambda x: _Stub.apply(x, x.shape, output_dtype)
     model.lm_head.forward = lambda y: _Stub.apply(y, (*y.shape[:-1], vocab), output_dtype)
     for m in model.modules():

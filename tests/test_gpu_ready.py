@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict
 import triton.language as tl
 from kernels import aot
-from kernels.depth_route import Launch
+from kernels.launch import Launch
 
 results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled] for d, compiled in aot.compile_all().items()}
 

@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.depth_route import depth_route, observe_launches  # noqa: E402
-from kernels.lean import GroupedDepthState  # noqa: E402
+from kernels.depth_route import depth_route  # noqa: E402
+from kernels.launch import observe_launches  # noqa: E402
+from kernels.lean import GroupedDepthState, fine_group_size  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
 from router import DepthState, Router, make_policy  # noqa: E402
 from router import depth_route as reference  # noqa: E402
@@ -308,6 +309,20 @@ def test_dispatch():
         with pytest.raises(ValueError, match="allowed values are auto, triton, reference"):
             bad()
 
+
+
+@pytest.mark.parametrize("residual", ["delta", "full_attnres", "delta_block"])
+def test_receivers_share_phase_one_in_groups(residual):
+    """Fine-grained methods (full_attnres's final read included) group fine_group_size receivers per
+    phase-1 read, not one each; a block method groups a block's receivers."""
+    cfg = ModelConfig(**{**TINY, "n_layers": 12, "n_blocks": 4}, residual=residual, kernel="triton")
+    state = Model(cfg).depth_state(torch.zeros(1, 2, TINY["d_model"], device=DEVICE))
+    sizes = [state.plan.count(g) for g in sorted(set(state.plan))]
+    if residual == "delta_block":
+        assert sizes == [6, 6, 6, 6]                      # 4 blocks of 3 layers, 2 sublayers each
+    else:
+        size = fine_group_size(24, TINY["d_model"])
+        assert size > 1 and sizes[:-1] == [size] * (len(sizes) - 1) and 1 <= sizes[-1] <= size + 1
 
 def test_observer_sees_the_same_candidates_on_both_paths():
     idx = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from config import load_config
 from model import GATED_QUERY_INIT_STD, Model, ModelConfig
 from router import METHODS
 
@@ -285,11 +286,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("size", LABELS)
 def test_paper_config_parameter_counts(size):
-    import train
     paths = sorted(glob.glob(os.path.join(ROOT, "configs", f"{size}_*.py")))
     assert {os.path.basename(p)[len(size) + 1:-3] for p in paths} == set(METHODS)
     for path in paths:
-        model_cfg, _ = train.load_config([path])
+        model_cfg, _ = load_config([path])
         assert model_cfg.vocab_size == 151936 and model_cfg.tie_embeddings
         with torch.device("meta"):
             n = Model(model_cfg).num_params()
@@ -304,9 +304,8 @@ BLOCKS = {"220m_attnres": 4, "220m_delta_block": 2, "533m_attnres": 4, "533m_del
 
 @pytest.mark.parametrize("name", BLOCKS)
 def test_paper_config_block_counts(name):
-    import train
     path = os.path.join(ROOT, "configs", f"{name}.py")
-    model_cfg, _ = train.load_config([path])
+    model_cfg, _ = load_config([path])
     assert (model_cfg.n_blocks, model_cfg.block_split, model_cfg.block_source) == (BLOCKS[name], "ceil", "boundary")
     with open(path) as f:
         assert "n_blocks = " in f.read()            # each says where its number comes from

@@ -1,12 +1,12 @@
-"""sweep.py's machinery on a 2-run plan of a few steps: training, skipping finished runs, redoing an unfinished
+"""The sweep's machinery (experiments/) on a 2-run plan of a few steps: training, skipping finished runs, redoing an unfinished
 one, the equal wall-clock pacing, and the table and JSON it writes."""
 import json
 import os
 
 import pytest
 
-import sweep
-from sweep import Plan, Run, Section
+from experiments import plan as plans, plots, report, runner, sweep
+from experiments.plan import Plan, Run, Section
 
 TINY = {"d_model": 16, "n_layers": 2, "n_blocks": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8, "d_ff": 32,
         "seq_len": 16, "batch_size": 4, "micro_batch_size": 4, "max_steps": 6, "warmup_steps": 2,
@@ -17,7 +17,7 @@ def plan():
     runs = [Run("base_s0", {**TINY, "residual": "baseline", "seed": 0}),
             Run("db_s0", {**TINY, "residual": "delta_block", "seed": 0}, 1.3)]
     sections = [Section("Tiny", "two runs", [("baseline", ["base_s0"]), ("delta_block", ["db_s0"])], ("curves",))]
-    return Plan("tiny", sweep.CONFIG, runs, sections)
+    return Plan("tiny", plans.CONFIG, runs, sections)
 
 
 def log_path(out, name):
@@ -28,7 +28,7 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     out = str(tmp_path)
     tiny = plan()
     runs = tiny.runs
-    assert sweep.execute(runs, out, jobs=1, threads=1) == []
+    assert runner.execute(runs, out, jobs=1, threads=1) == []
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(lines) == 2 and all("trained" in line and "val ppl" in line for line in lines)
     assert lines[-1].startswith("[ 2/2]")
@@ -39,7 +39,7 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     records = [json.loads(line) for line in open(log_path(out, "db_s0"))]
     with open(log_path(out, "db_s0"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records if not r.get("final"))
-    assert sweep.execute(runs, out, jobs=1, threads=1) == []
+    assert runner.execute(runs, out, jobs=1, threads=1) == []
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [("skipped" in line, "trained" in line) for line in lines] == [(True, False), (False, True)]
     assert open(log_path(out, "base_s0")).read() == base_log
@@ -47,7 +47,7 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     redone = [json.loads(line) for line in open(log_path(out, "db_s0"))]
     assert sum(bool(r.get("final")) for r in redone) == 1 and len(redone) == len(records)
 
-    results = sweep.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
+    results = report.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
     saved = json.load(open(os.path.join(out, "results.json")))
     assert {"git_commit", "machine", "date", "saved_bytes", "sections", "runs"} <= set(saved)
     assert {"platform", "cpu", "torch"} <= set(saved["machine"])
@@ -68,13 +68,13 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
 
     # A clean clone has the logs and routing.json but no checkpoints: the report must come out the same.
     os.remove(os.path.join(out, "runs", "db_s0", "routing.json"))
-    sweep.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")   # writes it again
+    report.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")   # writes it again
     assert json.load(open(os.path.join(out, "runs", "db_s0", "routing.json"))) == saved["runs"]["db_s0"]["routing"]
     for name in ("base_s0", "db_s0"):
         for f in os.listdir(os.path.join(out, "runs", name)):
             if f.endswith(".pt"):
                 os.remove(os.path.join(out, "runs", name, f))
-    again = sweep.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
+    again = report.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
     assert again["sections"] == saved["sections"]
 
 
@@ -91,15 +91,15 @@ def test_equal_wall_clock_pace(tmp_path):
             Run("t1_delta_s0", {"residual": "delta", "seed": 0}),
             Run("wall_baseline_s0", {"residual": "baseline", "seed": 0}, pace_from=("t1_baseline_s0", "t1_baseline_s1")),
             Run("wall_delta_s0", {"residual": "delta", "seed": 0}, pace_from=("t1_delta_s0",))]
-    budget = sweep.wall_budget(runs, out, None)
+    budget = runner.wall_budget(runs, out, None)
     assert budget == 110.0
-    assert sweep.pace(runs[4], out, budget) == {"max_steps": 200, "time_budget_s": 110.0, "eval_interval": 25}
-    assert sweep.pace(runs[3], out, budget)["max_steps"] == int((6 + 5) / 2 * 110)   # 6 and 5 steps/s
-    assert sweep.wall_budget(runs, out, 50.0) == 50.0
+    assert runner.pace(runs[4], out, budget) == {"max_steps": 200, "time_budget_s": 110.0, "eval_interval": 25}
+    assert runner.pace(runs[3], out, budget)["max_steps"] == int((6 + 5) / 2 * 110)   # 6 and 5 steps/s
+    assert runner.wall_budget(runs, out, 50.0) == 50.0
     with pytest.raises(RuntimeError, match="t1_delta_s1 have not finished"):
-        sweep.pace(Run("wall_delta_s1", {"residual": "delta"}, pace_from=("t1_delta_s0", "t1_delta_s1")), out, budget)
+        runner.pace(Run("wall_delta_s1", {"residual": "delta"}, pace_from=("t1_delta_s0", "t1_delta_s1")), out, budget)
     with pytest.raises(RuntimeError, match="have not all finished"):
-        sweep.wall_budget(runs + [Run("t1_baseline_s2", {"residual": "baseline", "seed": 2})], out, None)
+        runner.wall_budget(runs + [Run("t1_baseline_s2", {"residual": "baseline", "seed": 2})], out, None)
 
 
 def results_with(rows_by_section: dict[str, list[tuple[str, str, list[float]]]]) -> dict:
@@ -108,7 +108,7 @@ def results_with(rows_by_section: dict[str, list[tuple[str, str, list[float]]]])
     for title, rows in rows_by_section.items():
         out = []
         for label, residual, ppls in rows:
-            mean, std = sweep._mean_std(ppls)
+            mean, std = report._mean_std(ppls)
             out.append({"label": label, "residual": residual, "runs": [f"{label}_s{i}" for i in range(len(ppls))],
                         "val_ppl": mean, "val_ppl_std": std, "steps": 800.0, "tok_per_s_rel": 1.0})
         sections.append({"title": title, "rows": out})
@@ -120,7 +120,7 @@ def test_compare_judges_each_row_against_seed_noise():
                         "T4": [("delta, 1 block", "delta", [7.0]), ("only old", "delta", [7.0])]})
     new = results_with({"T1": [("baseline", "baseline", [7.1, 7.3, 7.5]), ("delta", "delta", [7.5, 7.6, 7.7])],
                         "T4": [("delta, 1 block", "delta", [7.25]), ("only new", "delta", [7.0])]})
-    rows = {r["label"]: r for r in sweep.compare(new, old)}
+    rows = {r["label"]: r for r in report.compare(new, old)}
     assert set(rows) == {"baseline", "delta", "delta, 1 block"}            # rows only one side has are left out
     # baseline: std 0.2 in both, 3 vs 3 seeds: sigma = 0.2 * sqrt(2/3); the means differ by 0.1 < 2 sigma.
     assert rows["baseline"]["sigma"] == pytest.approx(0.2 * (2 / 3) ** 0.5)
@@ -130,11 +130,11 @@ def test_compare_judges_each_row_against_seed_noise():
     # one seed on each side: Table 1's std of the method, sigma = 0.1 * sqrt(2) = 0.141; 0.25 is within 2 sigma.
     assert rows["delta, 1 block"]["sigma"] == pytest.approx(0.1 * 2 ** 0.5)
     assert rows["delta, 1 block"]["reproduced"]
-    assert not sweep.compare(new, old, within=1.5)[2]["reproduced"]
-    text = sweep.compare_markdown(sweep.compare(new, old), new, old, "old.json")
+    assert not report.compare(new, old, within=1.5)[2]["reproduced"]
+    text = report.compare_markdown(report.compare(new, old), new, old, "old.json")
     assert "| T1 | delta | 7.100 | 7.600 | +0.500 |" in text and text.rstrip().endswith("2 of 3 rows reproduced.")
     new["sections"][0]["rows"][1]["steps"] = 900.0      # an equal wall-clock row that made more steps this time
-    text = sweep.compare_markdown(sweep.compare(new, old), new, old, "old.json")
+    text = report.compare_markdown(report.compare(new, old), new, old, "old.json")
     assert "different step count: delta (T1: 800 -> 900 steps)" in text
 
 
@@ -146,29 +146,29 @@ def test_compare_file_must_exist(tmp_path, capsys):
 
 def test_plans_are_well_formed():
     """Every row names runs the plan trains, names are unique, each run's overrides make a valid config."""
-    for plan in (sweep.full_plan(), sweep.depth_plan()):
-        names = [r.name for r in plan.runs]
+    for one in (plans.full_plan(), plans.depth_plan()):
+        names = [r.name for r in one.runs]
         assert len(names) == len(set(names))
-        for section in plan.sections:
+        for section in one.sections:
             assert section.rows[0][0] == "baseline"
             for _, row in section.rows:
                 assert set(row) <= set(names)
-        for run in plan.runs:
-            sweep.model_config(run)
-    depth = sweep.depth_plan()
+        for run in one.runs:
+            plans.model_config(run)
+    depth = plans.depth_plan()
     assert depth.committed == os.path.join("results", "depth_sweep", "results.json")
     assert [s.title.split(":")[0] for s in depth.sections] == ["36 layers", "12 layers"]
     for section, n_layers in zip(depth.sections, (36, 12)):
         assert [label for label, _ in section.rows] == ["baseline", "attnres", "delta_block", "delta"]
         for _, row in section.rows:
-            configs = [sweep.model_config(r) for r in depth.runs if r.name in row]
+            configs = [plans.model_config(r) for r in depth.runs if r.name in row]
             assert [c.n_layers for c in configs] == [n_layers] * 3
             assert len({c.d_model for c in configs}) == 1
-    steps = {sweep.train_config(r).max_steps for r in depth.runs}
+    steps = {plans.train_config(r).max_steps for r in depth.runs}
     assert len(steps) == 1                                       # equal steps
-    init = sweep.full_plan().sections[-1]
-    gated = [r for r in sweep.full_plan().runs if r.name in init.rows[-1][1]]
-    assert all(sweep.model_config(r).gate and sweep.model_config(r).query_init_std == 0.02 for r in gated)
+    init = plans.full_plan().sections[-1]
+    gated = [r for r in plans.full_plan().runs if r.name in init.rows[-1][1]]
+    assert all(plans.model_config(r).gate and plans.model_config(r).query_init_std == 0.02 for r in gated)
 
 
 def test_depth_plot_reads_every_depth_section(tmp_path):
@@ -179,8 +179,8 @@ def test_depth_plot_reads_every_depth_section(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     path = str(tmp_path / "depth.png")
-    sweep.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0, "delta": -1.0}),
+    plots.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0, "delta": -1.0}),
                       rows(12, {"baseline": 0.0, "attnres": -1.0, "delta": -1.5})], path, plt)
     assert os.path.getsize(path) > 0
     with pytest.raises(ValueError):          # a method missing at one depth is not silently drawn as a point
-        sweep.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0}), rows(12, {"baseline": 0.0})], path, plt)
+        plots.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0}), rows(12, {"baseline": 0.0})], path, plt)

@@ -3,7 +3,8 @@ arguments and write their outputs (views and allocations move nothing, a broadca
 launches move the tensors they describe, and the meter's routing bytes are a step's minus the baseline's."""
 import torch
 
-from kernels.depth_route import depth_route, observe_launches
+from kernels.depth_route import depth_route
+from kernels.launch import observe_launches
 from kernels.traffic import METHODS, ByteCounter, count_step, measure, predicted_ratio
 from model import ModelConfig
 

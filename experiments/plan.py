@@ -1,0 +1,167 @@
+"""The sweeps' plans: which runs exist (a config plus overrides per run) and how their rows form the tables.
+
+full_plan(): the paper's tables in miniature on configs/sweep_l12.py (Table 1, Table 4, equal wall-clock, the
+router init); depth_plan(): the paper's depth claim on configs/sweep_depth.py at 36 and at 12 layers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from config import load_config
+
+
+CONFIG = "configs/sweep_l12.py"
+
+
+SEEDS = (0, 1, 2)
+
+
+# Table 1's rows: label -> (run-name slug, config overrides, time per step relative to the baseline). The
+# relative times were measured on this model on one core; they only order the queue and estimate the ETA.
+METHODS = {
+    "baseline": ("baseline", {"residual": "baseline"}, 1.0),
+    "attnres": ("attnres", {"residual": "attnres"}, 1.4),
+    "full_attnres": ("full_attnres", {"residual": "full_attnres"}, 2.8),
+    "delta": ("delta", {"residual": "delta"}, 2.6),
+    "delta_block": ("delta_block", {"residual": "delta_block"}, 1.35),
+    "delta_block (the authors' variant)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
+}
+
+
+# The initialisation rows besides Table 1's delta_block (zero queries, no gate): (label, run-name slug, overrides).
+INITS = [
+    ("delta_block, no gate, queries N(0, 0.02) (the authors' code)", "init_q002_delta_block",
+     {"query_init_std": 0.02}),
+    ("delta_block, gate=True, zero queries", "init_gate_q0_delta_block", {"gate": True, "query_init_std": 0.0}),
+    ("delta_block, gate=True, queries N(0, 0.02) (the gated default)", "init_gate_delta_block", {"gate": True}),
+]
+
+
+# The depth sweep (--depth): configs/sweep_depth.py at these depths, these methods; run times per step relative
+# to the 12-layer baseline, measured on one core (they order the queue and estimate the ETA).
+DEPTH_CONFIG = "configs/sweep_depth.py"
+
+
+DEPTHS = (36, 12)
+
+
+DEPTH_METHODS = ("baseline", "attnres", "delta_block", "delta")
+
+
+DEPTH_COSTS = {(36, "baseline"): 2.9, (36, "attnres"): 4.4, (36, "delta_block"): 4.9, (36, "delta"): 20.5,
+               (12, "baseline"): 1.0, (12, "attnres"): 1.6, (12, "delta_block"): 1.55, (12, "delta"): 3.0}
+
+
+@dataclass
+class Run:
+    name: str                        # its out_dir under OUT/runs
+    overrides: dict                  # config keys on top of `config`
+    cost: float = 1.0                # expected wall time relative to an equal-steps baseline run
+    pace_from: tuple[str, ...] = ()  # equal wall-clock: the equal-steps runs whose pace sets max_steps
+    config: str = CONFIG             # the config file the run starts from
+
+
+@dataclass
+class Section:
+    title: str
+    note: str
+    rows: list[tuple[str, list[str]]]   # (label, run names); the first row is the reference (baseline)
+    plots: tuple[str, ...] = ()         # "curves" (val loss over seeds), "blocks" (PPL vs sources), "depth"
+
+
+@dataclass
+class Plan:
+    name: str                # runs go to runs/NAME by default; the published sweep is results/NAME
+    config: str              # the model the runs start from
+    runs: list[Run]
+    sections: list[Section]
+
+    @property
+    def committed(self) -> str:
+        return os.path.join("results", self.name, "results.json")
+
+
+def full_plan() -> Plan:
+    runs, t1 = [], []
+    for label, (slug, overrides, cost) in METHODS.items():
+        names = [f"t1_{slug}_s{s}" for s in SEEDS]
+        runs += [Run(n, {**overrides, "seed": s}, cost) for n, s in zip(names, SEEDS)]
+        t1.append((label, names))
+    t4 = [("baseline", ["t1_baseline_s0"])]
+    for k in (1, 2, 4, 6, 12):
+        name = "t1_delta_block_s0" if k == 4 else f"t4_delta_block_k{k}"
+        if k != 4:
+            runs.append(Run(name, {"residual": "delta_block", "n_blocks": k, "seed": 0}, 1.2 + 0.05 * k))
+        t4.append((f"delta_block, {k} blocks", [name]))
+    t4.append(("delta (fine-grained)", ["t1_delta_s0"]))
+    wall = []
+    for label in ("baseline", "delta", "delta_block"):
+        slug, overrides, _ = METHODS[label]
+        runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0, pace_from=tuple(f"t1_{slug}_s{s}" for s in SEEDS)))
+        wall.append((label, [f"wall_{slug}_s0"]))
+    init = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS]),
+            ("delta_block, no gate, zero queries (the paper's init)", [f"t1_delta_block_s{s}" for s in SEEDS])]
+    for label, slug, overrides in INITS:
+        names = [f"{slug}_s{s}" for s in SEEDS]
+        runs += [Run(n, {"residual": "delta_block", **overrides, "seed": s}, 1.35) for n, s in zip(names, SEEDS)]
+        init.append((label, names))
+    sections = [
+        Section("Table 1 in miniature: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the change vs "
+                "the baseline is paired by seed (same init and data order).", t1, ("curves",)),
+        Section("Table 4 in miniature: number of blocks (L = 12), seed 0", "K blocks give K + 1 sources to the "
+                "last sublayer; the fine-grained delta reads up to 2L + 1 = 25.", t4, ("blocks",)),
+        Section("Equal wall-clock, seed 0", "Same time_budget_s for every method (the baseline's equal-steps "
+                "wall time); each method's schedule is as long as the steps it makes in that time.", wall),
+        Section("Initialisation: query init and gate of delta_block, 3 seeds", "gate=True starts as the baseline "
+                "bit for bit; with zero queries its gate gets no useful gradient (the read is c h~ and the pre-norm "
+                "is scale invariant), so gate=True defaults to queries drawn from N(0, 0.02). Without a gate the "
+                "boundary sources give a near-identity at any query init.", init),
+    ]
+    return Plan("sweep", CONFIG, runs, sections)
+
+
+def depth_plan() -> Plan:
+    """The paper's depth claim: the same four methods at 36 layers (the 1044M depth) and at 12, with the same
+    width and steps, 3 seeds each."""
+    sections = []
+    runs = []
+    for n_layers in DEPTHS:
+        rows = []
+        for label in DEPTH_METHODS:
+            slug, overrides, _ = METHODS[label]
+            names = [f"l{n_layers}_{slug}_s{s}" for s in SEEDS]
+            cost = DEPTH_COSTS[(n_layers, label)]
+            runs += [Run(n, {**overrides, "n_layers": n_layers, "seed": s}, cost, config=DEPTH_CONFIG)
+                     for n, s in zip(names, SEEDS)]
+            rows.append((label, names))
+        plots = ("curves", "depth") if n_layers == DEPTHS[0] else ("depth",)
+        sections.append(Section(f"{n_layers} layers: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the "
+                                "change vs the baseline is paired by seed (same init and data order).", rows, plots))
+    return Plan("depth_sweep", DEPTH_CONFIG, runs, sections)
+
+
+def model_config(run: Run):
+    return load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
+
+
+def train_config(run: Run):
+    return load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[1]
+
+
+def memory_key(run: Run) -> str:
+    """The name of the model a run trains, as far as memory goes: depth, method, blocks, sources, gate."""
+    cfg = model_config(run)
+    key = f"L{cfg.n_layers}/{cfg.residual}"
+    if cfg.residual in ("attnres", "delta_block"):
+        key += f"/K{cfg.n_blocks}"
+    if cfg.residual == "delta_block":
+        key += f"/{cfg.block_source}"
+    return key + ("/gate" if cfg.gate else "")
+
+
+def n_sources(cfg) -> int:
+    """Sources as Table 4 counts them: K + 1 for K blocks (the partial included; the paper's variant has none),
+    2L + 1 fine-grained."""
+    blocks = cfg.n_blocks + int(cfg.residual == "attnres" or (cfg.include_partial and cfg.block_source == "boundary"))
+    return {"baseline": 0, "attnres": blocks, "delta_block": blocks}.get(cfg.residual, 2 * cfg.n_layers + 1)

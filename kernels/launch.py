@@ -1,0 +1,170 @@
+"""How the routing kernels are launched: address tables, launch observers, the device, registers per SM.
+
+- A source read through an address table is an integer to the compiler, which then knows nothing of its
+  alignment. `source_table` makes every source contiguous and 16-byte aligned (copying the rare view that is
+  not) and uploads the addresses in one copy; the kernels say so with tl.multiple_of, which turns their source
+  loads into 128-bit loads. Host work is O(N) per table, and a forward read's table serves its backward.
+- Every launch goes through `_launch`, which hands a description of it (kernel, arguments, what it reads and
+  writes) to observers first: kernels/traffic.py counts bytes with it, kernels/aot.py compiles exactly the
+  specialisations the model launches, and kernels/bench.py times the host path without launching. It runs
+  the kernel on the tensors' device.
+- `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
+  should share an SM (each kernel module says, in PROGRAMS_PER_SM, and why).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+ALIGN = 16   # bytes: every address the kernels read through a table is a multiple of this (128-bit loads)
+H100_SMS = 132        # streaming multiprocessors assumed where no CUDA device says (the meta device)
+
+
+@dataclass
+class Launch:
+    """One kernel launch as observers see it: the kernel, its grid and keyword arguments (launch options
+    included), and what it reads and writes in full: tensors, or a SourceTable (every source in it), each
+    read the given number of times."""
+    kernel: triton.JITFunction
+    grid: int
+    args: dict
+    reads: list[tuple[Tensor | SourceTable, int]]
+    writes: list[Tensor]
+
+
+_observers: list[Callable[[Launch], bool]] = []
+
+
+@contextmanager
+def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
+    """Call observer(launch) before every launch in the block; the launch is skipped if it returns True
+    (so launches can be counted on meta tensors, or timed without a GPU)."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def _launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor | SourceTable, int]], writes: list[Tensor],
+            device: torch.device, **args) -> None:
+    if _observers:
+        launch = Launch(kernel, grid, args, reads, writes)
+        if any([observer(launch) for observer in _observers]):
+            return
+    if device.type == "cuda":
+        with torch.cuda.device(device):   # Triton launches on the current device, not the tensors'
+            kernel[(grid,)](**args)
+    elif device.type == "cpu" and not _interpreting():
+        raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
+                           "to run them on CPU, or use kernel='reference'")
+    else:
+        kernel[(grid,)](**args)
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_probe, InterpretedFunction)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """t itself if it is contiguous and 16-byte aligned, else a contiguous copy (a fresh allocation is)."""
+    if t.is_contiguous() and t.data_ptr() % ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass
+class SourceTable:
+    """The sources of one read as the kernels see them: contiguous and 16-byte aligned (a copy of any that is
+    not), ordered by dtype (the n_a of sources[0]'s dtype first), and their addresses on the device, uploaded
+    in one copy. Built once per forward read; its backward reuses it."""
+    tensors: list[Tensor]       # in table order
+    order: list[int]            # table position -> index in the caller's list of sources
+    n_a: int
+    addresses: Tensor           # (N,) int64, on the sources' device
+
+    def dtype(self, group: int) -> tl.dtype:
+        return DTYPES[self.tensors[0 if group == 0 else -1].dtype]
+
+    def in_caller_order(self, values: list) -> list:
+        out = [None] * len(values)
+        for position, i in enumerate(self.order):
+            out[i] = values[position]
+        return out
+
+
+def source_table(sources: list[Tensor]) -> SourceTable:
+    """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table."""
+    if not sources:
+        raise ValueError("depth_route needs at least one source")
+    first = sources[0]
+    if first.dim() != 3:
+        raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(first.shape)}")
+    shape, device, dtype_a = first.shape, first.device, first.dtype
+    a, b, dtype_b = [], [], None
+    for i, s in enumerate(sources):
+        if s.shape != shape or s.device != device:
+            raise ValueError(f"sources[{i}] is {tuple(s.shape)} on {s.device}; every source must match "
+                             f"sources[0]: {tuple(shape)} on {device}")
+        if s.dtype == dtype_a:
+            a.append(i)
+        elif dtype_b is None or s.dtype == dtype_b:
+            dtype_b = s.dtype
+            b.append(i)
+        else:
+            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
+    for dtype in (dtype_a, dtype_b or dtype_a):
+        if dtype not in DTYPES:
+            raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
+                             f"got {dtype} (the reference router.depth_route takes any float dtype)")
+    order = a + b
+    tensors = [_aligned(sources[i]) for i in order]
+    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+    return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
+
+
+def register_budget(num_warps: int, programs_per_sm: int) -> int:
+    """Registers per thread that let `programs_per_sm` programs of num_warps warps share an SM (65,536
+    registers per SM on sm_90; 255 at most). Passed to ptxas as the kernel's limit: left alone, ptxas caps some
+    of these kernels at 128 and spills rather than use what one program per SM may."""
+    return min(255, 65536 // (programs_per_sm * 32 * num_warps))
+
+
+def slab_of(like: Tensor) -> int:
+    """Elements between consecutive (B, T, d) slots of a buffer: numel rounded up to 16 (16-byte aligned)."""
+    return triton.cdiv(like.numel(), 16) * 16
+
+
+def slots(n: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An (n, slab) buffer of slots shaped like `like`."""
+    return torch.empty(n, slab_of(like), dtype=dtype or like.dtype, device=like.device)
+
+
+def slot_view(buffer: Tensor, i: int, like: Tensor) -> Tensor:
+    return buffer[i, :like.numel()].view(like.shape)
+
+
+def wave(n_tiles: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
+    """(programs, tiles per program) for a kernel over n_tiles row tiles that sums partial results per
+    program: one wave of programs (the SMs times the kernel's programs per SM), so the partial sums stay few."""
+    if _interpreting():
+        return n_tiles, 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
+    tiles = triton.cdiv(n_tiles, sms * programs_per_sm)
+    return triton.cdiv(n_tiles, tiles), tiles
