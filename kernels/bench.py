@@ -31,9 +31,13 @@ import time
 import torch
 import triton
 
-from kernels.depth_route import route_backward, route_forward
+import distributed
+from config import load_config
+from kernels.depth_route import depth_route, route_backward, route_forward
 from kernels.launch import Launch, observe_launches, source_table
 from kernels.traffic import ByteCounter
+from model import Model
+from router import depth_route as reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, TOKENS = 1280, (4, 1024)
@@ -113,8 +117,6 @@ def launch_bytes(fn) -> int:
 
 
 def bench_routing(nominal: float | None, copy: float) -> list[dict]:
-    from kernels.depth_route import depth_route
-    from router import depth_route as reference
     rows = []
     for n in N_SOURCES:
         sources, query, norm_weight, grad = routing_inputs(n, "cuda")
@@ -154,9 +156,6 @@ def bench_routing(nominal: float | None, copy: float) -> list[dict]:
 
 def bench_model(config: str, steps: int, layers: int | None, compile: bool) -> dict:
     """Tokens/s and peak memory of `steps` training steps of configs/<config>.py on random tokens."""
-    import distributed
-    from model import Model
-    from config import load_config
     overrides = [f"--n_layers={layers}", f"--n_blocks={min(8, layers)}"] if layers else []
     model_cfg, cfg = load_config([os.path.join(ROOT, "configs", f"{config}.py"), *overrides])
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 Per token (a row of d values), with u = query * norm_weight (the query and norm weight fold into one vector):
 
-    rstd_i = rsqrt(mean(s_i^2) + eps)       e_i = rstd_i (s_i . u)       r = sum_i softmax_i(e) s_i
+    rstd_i = rsqrt(mean(s_i^2) + eps)       z_i = rstd_i (s_i . u)       r = sum_i softmax_i(z) s_i
 
 Memory-lean by construction:
 - the sources are read in place through a table of their addresses (no stacked copy of the N sources);
@@ -59,29 +59,29 @@ def _diff_source(h_ptr, base_ptr, offs, mask):
 
 @triton.jit
 def _logit(s, u, d, eps):
-    """e = rstd(s) (s . u) per row, and rstd: (BLOCK_M,) each."""
+    """z = rstd(s) (s . u) per row, and rstd: (BLOCK_M,) each."""
     rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
     return tl.sum(s * u[None, :], axis=1) * rstd, rstd
 
 
 @triton.jit
-def _softmax_step(m, l, acc, s, e):
-    """Online softmax: fold one source (tile s, logits e) into the running max m, normaliser l and sum acc."""
-    m_new = tl.maximum(m, e)
+def _softmax_step(m, l, acc, s, z):
+    """Online softmax: fold one source (tile s, logits z) into the running max m, normaliser l and sum acc."""
+    m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)             # rescales what was accumulated under the old max
-    p = tl.exp(e - m_new)
+    p = tl.exp(z - m_new)
     return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * s
 
 
 @triton.jit
 def _source_grad(s, go, u, lse, D, d, eps):
-    """Gradient of one source given dL/dr = go: a = exp(e - lse), de = a (go . s - D),
-    ds = a go + de rstd (u - e rstd s / d). Returns ds and de rstd (the query gradient's weight for s)."""
-    e, rstd = _logit(s, u, d, eps)
-    a = tl.exp(e - lse)
-    de_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
-    ds = a[:, None] * go + de_rstd[:, None] * (u[None, :] - (e * rstd / d)[:, None] * s)
-    return ds, de_rstd
+    """Gradient of one source given dL/dr = go: a = exp(z - lse), dz = a (go . s - D),
+    ds = a go + dz rstd (u - z rstd s / d). Returns ds and dz rstd (the query gradient's weight for s)."""
+    z, rstd = _logit(s, u, d, eps)
+    a = tl.exp(z - lse)
+    dz_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
+    ds = a[:, None] * go + dz_rstd[:, None] * (u[None, :] - (z * rstd / d)[:, None] * s)
+    return ds, dz_rstd
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b"])   # one compiled kernel for any number of sources
@@ -97,8 +97,8 @@ def _route_fwd(table, n_a, n_b, h_ptr, base_ptr, q_ptr, g_ptr, out_ptr, lse_ptr,
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]                  # (BLOCK_M, BLOCK_D)
     u = _folded_query(q_ptr, g_ptr, cols, d)                                # (BLOCK_D,) fp32
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
-    l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(e - m)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(e - m) s
+    l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(z - m)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(z - m) s
     for i in tl.range(0, n_a, num_stages=STAGES):
         s = _table_source(table, i, A_DTYPE, offs, mask)
         m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
@@ -152,22 +152,22 @@ def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, h_ptr, base_ptr, d
         if HAS_DIFF:
             s = _diff_source(h_ptr, base_ptr, offs, mask)
             D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
-    # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of de rstd s
+    # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of dz rstd s
     du = tl.zeros((BLOCK_D,), tl.float32)
     for i in tl.range(0, n_a, num_stages=STAGES):
         s = _table_source(table, i, A_DTYPE, offs, mask)
-        ds, de_rstd = _source_grad(s, go, u, lse, D, d, eps)
-        du += tl.sum(de_rstd[:, None] * s, axis=0)
+        ds, dz_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        du += tl.sum(dz_rstd[:, None] * s, axis=0)
         tl.store(grad_a_ptr + i * slab + offs, ds.to(A_DTYPE), mask=mask)
     for i in tl.range(n_a, n, num_stages=STAGES):
         s = _table_source(table, i, B_DTYPE, offs, mask)
-        ds, de_rstd = _source_grad(s, go, u, lse, D, d, eps)
-        du += tl.sum(de_rstd[:, None] * s, axis=0)
+        ds, dz_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        du += tl.sum(dz_rstd[:, None] * s, axis=0)
         tl.store(grad_b_ptr + (i - n_a) * slab + offs, ds.to(B_DTYPE), mask=mask)
     if HAS_DIFF:
         s = _diff_source(h_ptr, base_ptr, offs, mask)
-        ds, de_rstd = _source_grad(s, go, u, lse, D, d, eps)
-        du += tl.sum(de_rstd[:, None] * s, axis=0)
+        ds, dz_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        du += tl.sum(dz_rstd[:, None] * s, axis=0)
         tl.store(dpart_ptr + offs, ds.to(dpart_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + pid * BLOCK_D + cols, du)                            # one partial sum per program
 
@@ -286,7 +286,7 @@ class DepthRoute(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         query, norm_weight, lse, *_ = ctx.saved_tensors
         grads, _, du = route_backward(ctx.table, query, norm_weight, ctx.eps, grad_out, lse)
-        # e = rstd * sum_k s_k w_k g_k: dL/dw = du * g, dL/dg = du * w
+        # z = rstd * sum_k s_k w_k g_k: dL/dw = du * g, dL/dg = du * w
         return ((du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype), None,
                 *grads)
 

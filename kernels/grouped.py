@@ -3,17 +3,17 @@
 A group is a run of consecutive receiving sublayers (a Delta Block / AttnRes block, or about six sublayers of
 fine-grained Delta AttnRes) that share the sources C committed before it began; each receiver l of the group
 also reads a few sources I_l of its own (the outputs committed since the group began, the partial block
-h - base, a null source). With e_i = rstd_i (s_i . u_l), Eq. 1 over C and I_l splits exactly:
+h - base, a null source). With z_i = rstd_i (s_i . u_l), Eq. 1 over C and I_l splits exactly:
 
-    lse_C = log sum_{i in C} exp(e_i)        r_C = sum_{i in C} exp(e_i - lse_C) s_i         (phase 1, per group)
-    lse   = log(exp(lse_C) + sum_{i in I} exp(e_i))
-    r     = exp(lse_C - lse) r_C + sum_{i in I} exp(e_i - lse) s_i                          (phase 2, per receiver)
+    lse_C = log sum_{i in C} exp(z_i)        r_C = sum_{i in C} exp(z_i - lse_C) s_i         (phase 1, per group)
+    lse   = log(exp(lse_C) + sum_{i in I} exp(z_i))
+    r     = exp(lse_C - lse) r_C + sum_{i in I} exp(z_i - lse) s_i                          (phase 2, per receiver)
 
 that is, the receiver's online softmax starts from the state (lse_C, r_C) instead of (-inf, 0). The backward
 is that of one softmax over C + I with the full lse: for go = dL/dr and D = go . r,
 
-    a_i = exp(e_i - lse)   de_i = a_i (go . s_i - D)   ds_i = a_i go + de_i rstd_i (u - e_i rstd_i s_i / d)
-    du  = sum_i de_i rstd_i s_i                                                  (u = query * norm weight)
+    a_i = exp(z_i - lse)   dz_i = a_i (go . s_i - D)   ds_i = a_i go + dz_i rstd_i (u - z_i rstd_i s_i / d)
+    du  = sum_i dz_i rstd_i s_i                                                  (u = query * norm weight)
 
 so a receiver's backward needs only its own sources and writes go, D (and keeps lse); the group's backward
 then reads each committed source once, sums ds_i over the group's receivers and adds it in place into one
@@ -45,7 +45,7 @@ def _accumulate(ptr, ds, offs, mask, accumulate):
 
 @triton.jit
 def _receiver_logits(U, s, d, eps):
-    """Logits of one source row s (1, BLOCK_D) for receivers with folded queries U (R_BLOCK, BLOCK_D): e
+    """Logits of one source row s (1, BLOCK_D) for receivers with folded queries U (R_BLOCK, BLOCK_D): z
     (R_BLOCK,) and the source's rstd (1,)."""
     rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
     return tl.sum(U * s, axis=1) * rstd, rstd
@@ -63,13 +63,13 @@ def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, d):
 @triton.jit
 def _committed_grad(s, U, go, D, lse, d, eps):
     """One committed source row s (1, BLOCK_D), summed over the receivers (rows of U, go; entries of D, lse):
-    its gradient ds (1, BLOCK_D) and every receiver's du term de rstd s (R_BLOCK, BLOCK_D)."""
-    e, rstd = _receiver_logits(U, s, d, eps)
-    a = tl.exp(e - lse)                                                   # 0 for masked receivers (lse = inf)
-    de_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
-    ds = (tl.sum(a[:, None] * go + de_rstd[:, None] * U, axis=0)[None, :]
-          - tl.sum(de_rstd * e, axis=0) * rstd[:, None] / d * s)
-    return ds, de_rstd[:, None] * s
+    its gradient ds (1, BLOCK_D) and every receiver's du term dz rstd s (R_BLOCK, BLOCK_D)."""
+    z, rstd = _receiver_logits(U, s, d, eps)
+    a = tl.exp(z - lse)                                                   # 0 for masked receivers (lse = inf)
+    dz_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
+    ds = (tl.sum(a[:, None] * go + dz_rstd[:, None] * U, axis=0)[None, :]
+          - tl.sum(dz_rstd * z, axis=0) * rstd[:, None] / d * s)
+    return ds, dz_rstd[:, None] * s
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])

@@ -131,7 +131,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
         lse = tl.load(lse_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=float("inf"))  # rows past M:
         # every weight exp(z - lse) is 0, so nothing there overflows into the sums over rows
-        # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(e_i - lse) s_i (+ the partial block's term)
+        # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(z_i - lse) s_i (+ the partial block's term)
         m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                                BLOCK_D)
         r = r * tl.exp(m - lse)[:, None]
@@ -170,8 +170,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             dr = dr.to(go_ptr.dtype.element_ty).to(tl.float32)   # softmax backward's go . s_i - D is consistent
         D = tl.sum(dr * r, axis=1)
         if HAS_DIFF:                      # d(h - base): + to h, - to base
-            dp, de_rstd = _source_grad(p, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * p, axis=0)
+            dp, dz_rstd = _source_grad(p, dr, u, lse, D, d, eps)
+            du += tl.sum(dz_rstd[:, None] * p, axis=0)
             dh += dp
             tl.store(dbase_ptr + offs, (-dp).to(dbase_ptr.dtype.element_ty), mask=mask)
         if ADD or HAS_DIFF or SUMS:
@@ -181,13 +181,13 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
         for i in tl.range(0, n_a, num_stages=STAGES):
             s = _table_source(table, i, A_DTYPE, offs, mask)
-            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * s, axis=0)
+            ds, dz_rstd = _source_grad(s, dr, u, lse, D, d, eps)
+            du += tl.sum(dz_rstd[:, None] * s, axis=0)
             _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
         for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
             s = _table_source(table, i, B_DTYPE, offs, mask)
-            ds, de_rstd = _source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(de_rstd[:, None] * s, axis=0)
+            ds, dz_rstd = _source_grad(s, dr, u, lse, D, d, eps)
+            du += tl.sum(dz_rstd[:, None] * s, axis=0)
             _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
         if SUMS:                          # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
@@ -236,16 +236,16 @@ def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: fl
                        lse: Tensor) -> tuple[Tensor, Tensor]:
     """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
     the softmax backward of a source that is the same vector n at every row,
-    dn = sum_rows a go + (sum_rows de rstd) u - (sum_rows de rstd) e rstd n / d and du += (sum_rows de rstd) n,
-    with a = exp(e - lse), de rstd = a (go . n - D) rstd (a few (M,) and (d,) ops: an option, not the paper's)."""
+    dn = sum_rows a go + (sum_rows dz rstd) u - (sum_rows dz rstd) z rstd n / d and du += (sum_rows dz rstd) n,
+    with a = exp(z - lse), dz rstd = a (go . n - D) rstd (a few (M,) and (d,) ops: an option, not the paper's)."""
     n, u = null.float(), query.float() * norm_weight.float()
     rstd = torch.rsqrt(n.pow(2).mean() + eps)
-    e = (n @ u) * rstd
-    a = torch.exp(e - lse)                                                 # (M,)
+    z = (n @ u) * rstd
+    a = torch.exp(z - lse)                                                 # (M,)
     go = go.float()
-    de_rstd = a * (go @ n - D) * rstd
-    c = de_rstd.sum()
-    return a @ go + c * u - c * e * rstd / n.numel() * n, c * n
+    dz_rstd = a * (go @ n - D) * rstd
+    c = dz_rstd.sum()
+    return a @ go + c * u - c * z * rstd / n.numel() * n, c * n
 
 
 def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
