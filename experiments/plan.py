@@ -25,7 +25,8 @@ METHODS = {
     "full_attnres": ("full_attnres", {"residual": "full_attnres"}, 2.8),
     "delta": ("delta", {"residual": "delta"}, 2.6),
     "delta_block": ("delta_block", {"residual": "delta_block"}, 1.35),
-    "delta_block (the authors' variant)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"}, 1.35),
+    "delta_block (the authors' variant)": ("delta_block_paper", {"residual": "delta_block", "block_source": "paper"},
+                                           1.35),
 }
 
 
@@ -98,7 +99,8 @@ def full_plan() -> Plan:
     wall = []
     for label in ("baseline", "delta", "delta_block"):
         slug, overrides, _ = METHODS[label]
-        runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0, pace_from=tuple(f"t1_{slug}_s{s}" for s in SEEDS)))
+        runs.append(Run(f"wall_{slug}_s0", {**overrides, "seed": 0}, 1.0,
+                        pace_from=tuple(f"t1_{slug}_s{s}" for s in SEEDS)))
         wall.append((label, [f"wall_{slug}_s0"]))
     init = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS]),
             ("delta_block, no gate, zero queries (the paper's init)", [f"t1_delta_block_s{s}" for s in SEEDS])]
@@ -114,9 +116,9 @@ def full_plan() -> Plan:
         Section("Equal wall-clock, seed 0", "Same time_budget_s for every method (the baseline's equal-steps "
                 "wall time); each method's schedule is as long as the steps it makes in that time.", wall),
         Section("Initialisation: query init and gate of delta_block, 3 seeds", "gate=True starts as the baseline "
-                "bit for bit; with zero queries its gate gets no useful gradient (the read is c h~ and the pre-norm "
-                "is scale invariant), so gate=True defaults to queries drawn from N(0, 0.02). Without a gate the "
-                "boundary sources give a near-identity at any query init.", init),
+                "bit for bit; with zero queries its gate gets only RMSNorm's eps term as gradient (the read is c h~ "
+                "and the pre-norm is scale invariant), so gate=True defaults to queries drawn from N(0, 0.02). "
+                "Without a gate the boundary sources give a near-identity at any query init.", init),
     ]
     return Plan("sweep", CONFIG, runs, sections)
 

@@ -111,7 +111,8 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
         seeds = [runs[n].overrides["seed"] for n in names]
         ppl, ppl_std = _mean_std([f["val_ppl"] for f in got])
         # Paired by seed: the same seed gives every method the same backbone init and the same batches.
-        change = [100 * (f["val_ppl"] / ref.get(s, next(iter(ref.values())))["val_ppl"] - 1) for f, s in zip(got, seeds)]
+        change = [100 * (f["val_ppl"] / ref.get(s, next(iter(ref.values())))["val_ppl"] - 1)
+                  for f, s in zip(got, seeds)]
         change_mean, change_std = _mean_std(change)
         routed = [f["routing"] for f in got if "routing" in f]
         key = memory_key(runs[names[0]])
@@ -187,7 +188,8 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
     model_cfg, train_cfg = load_config([plan.config])
     layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
-    meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": dirty,
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
             "model": f"L={layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
                      f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",

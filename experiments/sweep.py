@@ -1,10 +1,11 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python -m experiments.sweep                        # every run into runs/sweep (about 50 min on 2 cores), then its table
-                                           # compared with the committed results/sweep (runs/sweep/compare.md)
-    python -m experiments.sweep --out results/sweep    # the same into the committed folder (what was published)
-    python -m experiments.sweep --report_only          # rewrite the table, JSON and plots from the finished runs
-    python -m experiments.sweep --depth --jobs=1       # the depth sweep into runs/depth_sweep (about 2 h on one core)
+    python -m experiments.sweep                      # every run into runs/sweep (34 runs, 3.5 core-hours), then
+                                                     # its table compared with the committed results/sweep
+                                                     # (runs/sweep/compare.md)
+    python -m experiments.sweep --out results/sweep  # the same into the committed folder (what was published)
+    python -m experiments.sweep --report_only        # rewrite the table, JSON and plots from the finished runs
+    python -m experiments.sweep --depth              # the depth sweep into runs/depth_sweep (24 runs, 3.2 core-hours)
 
 One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and four comparisons:
   Table 1   baseline, attnres, full_attnres, delta, delta_block, delta_block with the paper's sources;
