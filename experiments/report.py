@@ -188,7 +188,9 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
     model_cfg, train_cfg = load_config([plan.config])
     layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    # uncommitted changes to the code, not to the results being rewritten
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                     f":!{os.path.relpath(os.path.abspath(out), ROOT)}"))
     meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": dirty,
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
             "model": f"L={layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
