@@ -74,6 +74,20 @@ def _softmax_step(m, l, acc, s, z):
 
 
 @triton.jit
+def _read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc,
+                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, STAGES: tl.constexpr):
+    """Fold every source of an address table (n_a of A_DTYPE, then n_b of B_DTYPE: one pipelined loop per
+    dtype) into the online-softmax state (m, l, acc) of the rows at offs."""
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = _table_source(table, i, A_DTYPE, offs, mask)
+        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
+    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+        s = _table_source(table, i, B_DTYPE, offs, mask)
+        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
+    return m, l, acc
+
+
+@triton.jit
 def _source_grad(s, go, u, lse, D, d, eps):
     """Gradient of one source given dL/dr = go: a = exp(z - lse), dz = a (go . s - D),
     ds = a go + dz rstd (u - z rstd s / d). Returns ds and dz rstd (the query gradient's weight for s)."""
@@ -99,12 +113,7 @@ def _route_fwd(table, n_a, n_b, h_ptr, base_ptr, q_ptr, g_ptr, out_ptr, lse_ptr,
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
     l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(z - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(z - m) s
-    for i in tl.range(0, n_a, num_stages=STAGES):
-        s = _table_source(table, i, A_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = _table_source(table, i, B_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
+    m, l, acc = _read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     if HAS_DIFF:
         s = _diff_source(h_ptr, base_ptr, offs, mask)
         m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.depth_route import _folded_query, _logit, _softmax_step, _source_grad, _table_source
+from kernels.depth_route import _folded_query, _logit, _read_table, _softmax_step, _source_grad, _table_source
 from kernels.grouped import _accumulate, _dtypes
 from kernels.launch import DTYPES, SourceTable, _interpreting, _launch, register_budget, slab_of, slot_view, wave
 
@@ -76,12 +76,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     u = _folded_query(q_ptr, g_ptr, cols, d)
     m, l, acc = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                              BLOCK_D)
-    for i in tl.range(0, n_a, num_stages=STAGES):
-        s = _table_source(table, i, A_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = _table_source(table, i, B_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
+    m, l, acc = _read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if ADD or HAS_DIFF:
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -89,8 +84,8 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m, l, acc = _softmax_step(m, l, acc, p, _logit(p, u, d, eps)[0])
     if NULL != 0:                         # the null source: 0 (none), 1 (zero), 2 (learned, at null_ptr)
-        n, e_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
-        m, l, acc = _softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + e_n)
+        n, z_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
+        m, l, acc = _softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
@@ -120,7 +115,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
     if NULL == 2:                         # the learned null's vector and logit
-        n, e_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
+        n, z_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
     du = tl.zeros((BLOCK_D,), tl.float32)
     dw = tl.zeros((BLOCK_D,), tl.float32)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
@@ -149,7 +144,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             r += tl.exp(_logit(p, u, d, eps)[0] - lse)[:, None] * p
         if NULL == 2:
-            r += tl.exp(e_n - lse)[:, None] * n[None, :]
+            r += tl.exp(z_n - lse)[:, None] * n[None, :]
         r_mixed = r.to(R_DTYPE).to(tl.float32)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
         x = _mix(h, r_mixed, gate, ADD, X_DTYPE)
