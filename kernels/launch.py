@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -76,9 +78,10 @@ def _probe():
     pass
 
 
+@functools.cache
 def _interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported): decided
+    once, as Triton decides it, though every launcher's configuration asks."""
     return isinstance(_probe, InterpretedFunction)
 
 

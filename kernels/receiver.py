@@ -251,6 +251,20 @@ def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
     return dict(table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, **_dtypes(table))
 
 
+def _read_args(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor, h: Tensor,
+               base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None, weight: Tensor,
+               eps: float, norm_eps: float, null: Tensor | bool, add: bool, r_dtype: torch.dtype,
+               x_dtype: torch.dtype) -> dict:
+    """The arguments the forward and backward kernels share: the read (table, state, partial block, null
+    source, query) and the pre-norm; an absent tensor is replaced by a placeholder its flag keeps unread."""
+    return dict(**_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c,
+                slot=slot, slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query,
+                g_ptr=norm_weight, gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None),
+                w_ptr=weight, lse_ptr=lse, **_null_args(null, weight), M=h.numel() // h.shape[-1],
+                d=h.shape[-1], eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype],
+                HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add)
+
+
 def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor,
                      h: Tensor, base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None,
                      weight: Tensor, eps: float, norm_eps: float, null: Tensor | bool, add: bool,
@@ -265,12 +279,8 @@ def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Ten
     reads = ([(table, 1)] if table is not None else []) + ([(slot_view(state, slot, h), 1)] if state is not None else [])
     reads += ([(h, 1)] if add or base is not None else []) + ([(base, 1)] if base is not None else [])
     _launch(_receiver_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads, [y, lse[slot]], h.device,
-            **_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot,
-            slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, y_ptr=y,
-            lse_ptr=lse, **_null_args(null, weight), M=M, d=d, eps=eps,
-            norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None,
-            HAS_DIFF=base is not None, ADD=add, **cfg)
+            **_read_args(table, state, lse_c, slot, lse, h, base, query, norm_weight, gate, weight, eps, norm_eps,
+                         null, add, r_dtype, x_dtype), y_ptr=y, **cfg)
     return y
 
 
@@ -306,17 +316,12 @@ def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Te
     writes = grads + [du, dweight] + ([dh] * (1 + (dsum is not None)) if uses_h else [])
     writes += [dbase] if base is not None else []
     writes += [slot_view(go, slot, h), D[slot]] if state is not None else []
-    _launch(_receiver_bwd, programs, reads, writes, h.device, **_receiver_args(table, h),
-            state_ptr=state if state is not None else h, lse_c_ptr=lse_c, slot=slot, slab=slab_of(h), h_ptr=h,
-            base_ptr=base if base is not None else h, q_ptr=query, g_ptr=norm_weight,
-            gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None), w_ptr=weight, dy_ptr=dy,
-            lse_ptr=lse, acc_a_ptr=acc_a,
-            acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
+    _launch(_receiver_bwd, programs, reads, writes, h.device,
+            **_read_args(table, state, lse_c, slot, lse, h, base, query, norm_weight, gate, weight, eps, norm_eps,
+                         null, add, r_dtype, x_dtype),
+            dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
             dbase_ptr=dbase if dbase is not None else h, go_ptr=go if go is not None else h,
-            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
-            **_null_args(null, weight), du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles,
-            accumulate=int(accumulate), M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype],
-            X_DTYPE=DTYPES[x_dtype], HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add,
-            SUMS=dsum is not None, **cfg)
+            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=du,
+            dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles, accumulate=int(accumulate), SUMS=dsum is not None, **cfg)
     return {"dh": dh, "du": du.sum(0)[:d], "dweight": dweight.sum(0)[:d],
             "dgate": dgate.sum() if gate is not None else None}
