@@ -62,6 +62,10 @@ class Run:
     pace_from: tuple[str, ...] = ()  # equal wall-clock: the equal-steps runs whose pace sets max_steps
     config: str = CONFIG             # the config file the run starts from
 
+    def argv(self, extra: dict | None = None) -> list[str]:
+        """The run's command line for train.py (config.load_config): its config file and overrides."""
+        return [self.config] + [f"--{k}={v}" for k, v in {**self.overrides, **(extra or {})}.items()]
+
 
 @dataclass
 class Section:
@@ -144,11 +148,11 @@ def depth_plan() -> Plan:
 
 
 def model_config(run: Run):
-    return load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[0]
+    return load_config(run.argv())[0]
 
 
 def train_config(run: Run):
-    return load_config([run.config] + [f"--{k}={v}" for k, v in run.overrides.items()])[1]
+    return load_config(run.argv())[1]
 
 
 def memory_key(run: Run) -> str:

@@ -41,11 +41,6 @@ def train_one(argv: list[str], out_dir: str, threads: int) -> dict:
     return final_record(out_dir)
 
 
-def run_argv(run: Run, out: str, extra: dict | None = None) -> list[str]:
-    values = {**run.overrides, **(extra or {}), "out_dir": os.path.join(out, "runs", run.name)}
-    return [run.config] + [f"--{k}={v}" for k, v in values.items()]
-
-
 def pace(run: Run, out: str, budget_s: float) -> dict:
     """Equal wall-clock: the budget times this method's steps per second in its equal-steps runs (all seeds)."""
     finals = {name: final_record(os.path.join(out, "runs", name)) for name in run.pace_from}
@@ -115,7 +110,7 @@ def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float 
                         failed.append(run.name)
                         report(run, None, f"FAILED: {e}")
                         continue
-                    args = (run_argv(run, out, extra), out_dir, threads)
+                    args = (run.argv({**(extra or {}), "out_dir": out_dir}), out_dir, threads)
                     futures[pool.submit(train_one, *args) if pool else _now(train_one, *args)] = run
                 finished, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for future in finished:
