@@ -66,24 +66,29 @@ def plan_groups(commits: list[bool], group_size: int) -> list[int]:
 class GradBank:
     """One gradient accumulator per committed source of a forward pass: a buffer of slots per dtype, made at
     the first backward kernel that needs it (the list of sources is complete by then). A source's slot is its
-    position among the sources of its dtype, so a table of consecutive sources maps to consecutive slots."""
+    position among the sources of its dtype, so a table of consecutive sources maps to consecutive slots.
 
-    def __init__(self, sources: list[Tensor]):
-        self.sources = sources                      # the forward pass's list, as it grows
+    The bank records each source's dtype, never the source itself: every node of the pass holds the bank, and
+    a source made later than a node leads, through its autograd graph, back to that node; holding it would
+    make a reference cycle through the graph that Python's collector cannot see (each step's state would stay
+    alive for good)."""
+
+    def __init__(self, embedding: Tensor):
+        self.like = embedding                       # shape and device: made before every node, so no cycle
+        self.dtypes: list[torch.dtype] = []         # of sources[k], in commit order
+        self.position: list[int] = []               # of sources[k] among the sources of its dtype
         self.buffers: dict[torch.dtype, Tensor] = {}
-        self.position: list[int] = []
 
-    def _allocate(self) -> None:
-        counts: dict[torch.dtype, int] = {}
-        for s in self.sources:
-            self.position.append(counts.get(s.dtype, 0))
-            counts[s.dtype] = counts.get(s.dtype, 0) + 1
-        self.buffers = {dtype: slots(n, self.sources[0], dtype) for dtype, n in counts.items()}
+    def add(self, source: Tensor) -> None:
+        """Record the next committed source."""
+        self.position.append(self.dtypes.count(source.dtype))
+        self.dtypes.append(source.dtype)
 
     def pointers(self, table: SourceTable | None, first: int) -> tuple[Tensor, Tensor, int, int]:
         """(acc_a, acc_b, off_a, off_b) for a table of sources[first:...] (the kernels' accumulator arguments)."""
         if not self.buffers:
-            self._allocate()
+            counts = {dtype: self.dtypes.count(dtype) for dtype in self.dtypes}
+            self.buffers = {dtype: slots(n, self.like, dtype) for dtype, n in counts.items()}
         if table is None:
             any_buffer = next(iter(self.buffers.values()))
             return any_buffer, any_buffer, 0, 0
@@ -95,11 +100,11 @@ class GradBank:
                 continue
             k0, k1 = first + table.order[start], first + table.order[end - 1]
             assert self.position[k1] - self.position[k0] == end - start - 1, "table sources are not consecutive"
-            out.append((self.buffers[self.sources[k0].dtype], self.position[k0]))
+            out.append((self.buffers[self.dtypes[k0]], self.position[k0]))
         return out[0][0], out[1][0], out[0][1], out[1][1]
 
     def grad(self, k: int) -> Tensor:
-        return slot_view(self.buffers[self.sources[k].dtype], self.position[k], self.sources[k])
+        return slot_view(self.buffers[self.dtypes[k]], self.position[k], self.like)
 
 
 @dataclass
@@ -113,7 +118,7 @@ class Group:
     n_committed: int
     base: Tensor                      # h~ at the group's start: the partial block's base for its receivers
     eps: float
-    state: Tensor = None              # (R, slab) r_C per receiver, in the sources' dtype
+    state_dtype: torch.dtype = None   # r_C's: the sources' (GroupRead's output, never kept here: see GroupRead)
     lse_c: Tensor = None              # (R, M)
     lse: Tensor = None                # (R, M) the receivers' full log-sum-exp
     go: Tensor | None = None          # (R, slab) dL/dr per receiver, written by their backwards
@@ -121,25 +126,41 @@ class Group:
     dbase: Tensor | None = None       # (R, slab) -dL/d(partial) of receivers whose base is `base`
     dbase_slots: list[int] = field(default_factory=list)
     dbase_summed: bool = False        # the group's first receiver (whose h~ is `base`) added them to its dh
-    output: Tensor | None = None      # GroupRead's output (the state), an input of every receiver's node
 
     def backward_buffers(self, like: Tensor) -> None:
         if self.go is None:
             n = len(self.routers)
-            self.go = slots(n, like, self.state.dtype)
+            self.go = slots(n, like, self.state_dtype)
             self.D = torch.empty_like(self.lse)
             if self.dbase_slots:
-                self.dbase = slots(n, like, self.state.dtype)
+                self.dbase = slots(n, like, self.state_dtype)
+
+    def release(self) -> None:
+        """After the group's backward, the last to use them: its sources and buffers go."""
+        self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = None
 
 
 def _params(routers: list[Router]) -> list[Tensor]:
     return [p for r in routers for p in (r.query, r.norm_weight)]
 
 
+def _take(ctx, *names: str) -> list:
+    """A node's group, bank or receiver, removed from its context: once its backward has run, nothing of the
+    step stays alive through the node (the graph object lives on while the loss tensor does)."""
+    if not hasattr(ctx, names[0]):
+        raise RuntimeError("the kernel path's depth routing runs one backward per forward (retain_graph=True is "
+                           "not supported): use kernel='reference' to back-propagate twice")
+    values = [getattr(ctx, name) for name in names]
+    for name in names:
+        delattr(ctx, name)
+    return values
+
+
 class GroupRead(torch.autograd.Function):
     """Phase 1 of a group. Inputs: the group's base h~, the committed sources this node owns, each receiver's
-    query and norm weight. Output: the r_C buffer, which every receiver of the group takes as an input, so this
-    node's backward runs after theirs."""
+    query and norm weight. Output: the r_C buffer (R, slab), which every receiver of the group takes as an
+    input, so this node's backward runs after theirs. The output's grad_fn is this node, whose context holds
+    the group: so the group never holds the output (that would be a reference cycle through the graph)."""
 
     @staticmethod
     def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, *inputs: Tensor) -> Tensor:
@@ -149,17 +170,16 @@ class GroupRead(torch.autograd.Function):
         M, R = like.numel() // like.shape[-1], len(group.routers)
         queries = torch.stack([r.query for r in group.routers]).detach()          # (R, d)
         norm_weights = torch.stack([r.norm_weight for r in group.routers]).detach()
-        group.state = slots(R, like, group.table.tensors[-1].dtype)
+        state = slots(R, like, group.state_dtype)
         group.lse_c = torch.empty(R, M, dtype=torch.float32, device=like.device)
         group.lse = torch.empty_like(group.lse_c)
-        group_forward(group.table, queries, norm_weights, group.eps, group.state, group.lse_c)
+        group_forward(group.table, queries, norm_weights, group.eps, state, group.lse_c)
         ctx.params = (queries, norm_weights)
-        ctx.save_for_backward(group.state, group.lse_c, group.lse)   # what the group keeps until its backward
-        return group.state
+        return state
 
     @staticmethod
     def backward(ctx, _):
-        group, bank = ctx.group, ctx.bank
+        group, bank = _take(ctx, "group", "bank")
         queries, norm_weights = ctx.params
         like = group.table.tensors[0]
         group.backward_buffers(like)
@@ -170,7 +190,9 @@ class GroupRead(torch.autograd.Function):
         if group.dbase_slots and not group.dbase_summed:
             dbase = group.dbase[group.dbase_slots, :like.numel()].sum(0).view(like.shape).to(group.base.dtype)
         params = [g for pair in zip(dq.unbind(0), dg.unbind(0)) for g in pair]
-        return (None, None, None, dbase, *[bank.grad(k) for k in ctx.owned], *params)
+        grads = (None, None, None, dbase, *[bank.grad(k) for k in ctx.owned], *params)
+        group.release()
+        return grads
 
 
 @dataclass
@@ -201,17 +223,17 @@ class ReceiverRead(torch.autograd.Function):
                 *owned: Tensor) -> Tensor:
         group = spec.group
         y_dtype = torch.promote_types(weight.dtype, spec.x_dtype)
-        y = receiver_forward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query, norm_weight,
+        y = receiver_forward(spec.table, state, group.lse_c, spec.slot, group.lse, h, base, query, norm_weight,
                              gate, weight, spec.eps, spec.norm_eps, null if null is not None else spec.null,
                              spec.add, spec.r_dtype, spec.x_dtype, y_dtype)
-        ctx.save_for_backward(h, base, query, norm_weight, gate, weight, null)
+        ctx.save_for_backward(h, base, state, query, norm_weight, gate, weight, null)
         ctx.spec, ctx.bank = spec, bank
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        h, base, query, norm_weight, gate, weight, null = ctx.saved_tensors
-        spec, bank = ctx.spec, ctx.bank
+        h, base, state, query, norm_weight, gate, weight, null = ctx.saved_tensors
+        spec, bank = _take(ctx, "spec", "bank")
         group = spec.group
         group.backward_buffers(h)
         if base is None:
@@ -225,7 +247,7 @@ class ReceiverRead(torch.autograd.Function):
             lo, hi = min(group.dbase_slots), max(group.dbase_slots) + 1
             if hi - lo == len(group.dbase_slots):
                 dsum, group.dbase_summed = (group.dbase, lo, hi), True
-        out = receiver_backward(spec.table, group.state, group.lse_c, spec.slot, group.lse, h, base, query,
+        out = receiver_backward(spec.table, state, group.lse_c, spec.slot, group.lse, h, base, query,
                                 norm_weight, gate, weight, spec.eps, spec.norm_eps, spec.add, spec.r_dtype,
                                 spec.x_dtype, _aligned(dy), bank.pointers(spec.table, spec.first), spec.accumulate,
                                 group.go, group.D, dbase, dsum, null if null is not None else spec.null)
@@ -255,9 +277,11 @@ class GroupedDepthState(DepthState):
         fine = all(commits[1:n_sublayers - self.policy.reads_from])
         size = group_size or (fine_group_size(n_sublayers, self.h.shape[-1]) if fine else 1)
         self.plan = plan_groups(commits, size)
-        self.bank = GradBank(self.sources)
+        self.bank = GradBank(self.h)
+        self.bank.add(self.h)
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None
+        self.group_output: Tensor | None = None   # the current group's r_C buffer, as GroupRead returned it
         self.owned: set[int] = set()      # sources whose gradient some node already returns
         self.outputs_since_commit: list[Tensor] = []
 
@@ -281,6 +305,7 @@ class GroupedDepthState(DepthState):
         n = len(self.sources)
         super().commit_block()
         if len(self.sources) > n:
+            self.bank.add(self.sources[-1])
             self.block_start, self.outputs_since_commit = self.h, []
 
     def _claim(self, indices: range) -> list[int]:
@@ -294,11 +319,14 @@ class GroupedDepthState(DepthState):
             members = [i for i, g in enumerate(self.plan) if g == self.plan[receiver]]
             routers = [self.routers[i] for i in members]
             committed = list(self.sources)
-            group = Group(self.plan[receiver], self.plan[receiver] == self.plan[-1], members[0], routers,
-                          source_table(committed), len(committed), self.block_start, self.eps)
+            table = source_table(committed)
+            group = Group(self.plan[receiver], self.plan[receiver] == self.plan[-1], members[0], routers, table,
+                          len(committed), self.block_start, self.eps, state_dtype=table.tensors[-1].dtype)
             owned = self._claim(range(len(committed)))
-            group.output = GroupRead.apply(group, self.bank, owned, self.block_start,
-                                           *[committed[k] for k in owned], *_params(routers))
+            # the group's output is kept here, never on the group: the group is in the node's context, and a
+            # tensor whose grad_fn is that node would close a cycle no collector sees
+            self.group_output = GroupRead.apply(group, self.bank, owned, self.block_start,
+                                                *[committed[k] for k in owned], *_params(routers))
             self.group = group
         return self.group
 
@@ -326,15 +354,19 @@ class GroupedDepthState(DepthState):
                         base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
                         norm.eps, r_dtype, x_dtype)
         learned_null = router.null if self.policy.null_source else None
-        return ReceiverRead.apply(spec, self.bank, self.h, base, group.output, router.query, router.norm_weight,
+        return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, router.query, router.norm_weight,
                                   router.gate, norm.weight, learned_null, *[self.sources[k] for k in owned])
 
+    # Reads hold Python state across autograd nodes (groups, the gradient bank) and launch kernels through
+    # address tables: a graph traced around the whole model breaks here instead of tracing them.
+    @torch.compiler.disable
     def input(self, norm: nn.Module | None = None) -> Tensor:
         if norm is None or not self.reads():
             return super().input(norm)
         self.commit()
         return self._read(norm, add=self.policy.read == "add")
 
+    @torch.compiler.disable
     def output(self, norm: nn.Module | None = None) -> Tensor:
         if norm is None or not self.policy.final_read:
             return super().output(norm)
