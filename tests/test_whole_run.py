@@ -115,3 +115,25 @@ def test_the_check_sees_a_cycle_through_the_graph(monkeypatch):
     monkeypatch.setattr(lean, "_take", lambda ctx, *names: [getattr(ctx, name) for name in names])
     live, states, _ = train_steps(dict(residual="delta_block"))
     assert live[1] < live[2] < live[3] and states[1] < states[2] < states[3], (live, states)
+
+
+def test_a_compiled_whole_model_breaks_at_the_reads_and_trains_as_eager():
+    """torch.compile around the whole model (not the per-sublayer compile train.py does): the kernel path's
+    reads run outside the traced graphs, and three steps give the eager losses bit for bit."""
+    import torch._dynamo
+    losses = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Model(ModelConfig(**SMALL, residual="delta_block", gate=True, kernel="triton")).to(DEVICE)
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        idx = torch.randint(0, SMALL["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        losses.append([])
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(forward(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[-1].append(loss.item())
+    torch._dynamo.reset()
+    assert losses[1] == losses[0] and losses[0][-1] < losses[0][0]
