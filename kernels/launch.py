@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.interpreter import InterpretedFunction, InterpreterError
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -83,6 +83,27 @@ def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported): decided
     once, as Triton decides it, though every launcher's configuration asks."""
     return isinstance(_probe, InterpretedFunction)
+
+
+_interpreted_call = InterpretedFunction.__call__
+
+
+def _call_helper(self: InterpretedFunction, *args, **kwargs):
+    """A call of one of this package's jit helpers inside an interpreted kernel. Triton's interpreter patches
+    triton.language anew at every such call (a few ms: about half of the interpreted kernels' time, since the
+    helpers are called per source and per row); the kernel's launch has already patched the `tl` these
+    helpers use, so theirs run as they are. Triton's own helpers (tl.zeros, ...) use other modules and keep
+    the interpreter's call."""
+    if not self.fn.__module__.startswith(__package__ + "."):
+        return _interpreted_call(self, *args, **kwargs)
+    try:
+        return self.rewrite()(*args, **kwargs)
+    except Exception as e:
+        raise InterpreterError(repr(e)) from e
+
+
+if _interpreting():
+    InterpretedFunction.__call__ = _call_helper
 
 
 def _aligned(t: Tensor) -> Tensor:
