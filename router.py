@@ -79,7 +79,7 @@ class Router(nn.Module):
         # init draws from (model.Model initialises routers last)
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm_weight = nn.Parameter(torch.ones(d_model))
-        self.gate = nn.Parameter(torch.zeros(())) if gate else None
+        self.gate = nn.Parameter(torch.zeros(1)) if gate else None   # (1,): FSDP2 shards no 0-d parameter
         self.null = nn.Parameter(torch.zeros(d_model)) if learned_null else None
 
     def reset_parameters(self) -> None:
