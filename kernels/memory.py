@@ -8,6 +8,9 @@ storages behind them (a tensor saved by several ops, or several views of one buf
 the parameters (every method keeps those anyway). The model has the 1044M configuration's proportions
 (36 layers, 8 blocks, d_ff = 4 d, 5 query heads per KV head) with a small width, vocabulary and sequence, so
 the kernel path runs under the interpreter in about a minute. The baseline is the plain model.
+
+kernels/peak.py projects the whole peak of training steps (parameters, gradients, AdamW states, activations
+and temporaries) at the 1044M shape itself, on the meta device.
 """
 from __future__ import annotations
 
