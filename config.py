@@ -17,7 +17,7 @@ import runpy
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from distributed import PARALLEL
+from distributed import PARALLEL, PRECISIONS
 from model import ModelConfig
 
 
@@ -50,6 +50,8 @@ class TrainConfig:
     resume: bool = False            # continue from the newest intact checkpoint in out_dir
     parallel: str = "ddp"           # "ddp" (replicas) | "fsdp" (FSDP2, sharded checkpoints); one process: plain
     compile: bool = False           # torch.compile each sublayer (distributed.compile_sublayers)
+    compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager" traces without generating code)
+    precision: str = "auto"         # "auto" (bf16 on CUDA, fp32 on CPU) | "bf16" | "fp32": distributed.py's rule
     activation_checkpointing: bool = False  # recompute each sublayer in backward
     peak_flops: float = 989e12      # per device, for MFU: H100 SXM dense bf16
     wandb: bool = False             # also log to Weights & Biases (needs `pip install wandb`)
@@ -82,6 +84,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "time_budget_s": (NON_NEGATIVE[0], "finite numbers >= 0 (0: no budget)"),
     "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
     "parallel": (lambda v: v in PARALLEL, ", ".join(PARALLEL)),
+    "precision": (lambda v: v in PRECISIONS, ", ".join(PRECISIONS)), "compile_backend": NAME,
 }
 
 

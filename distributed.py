@@ -2,6 +2,20 @@
 process group from torchrun's environment, running a step on rank 0 for every rank, stop requests from
 SIGINT/SIGTERM, DDP or FSDP2 wrapping with activation checkpointing and per-sublayer compilation, and
 gradient-sync control. Checkpoints are checkpoint.py's.
+
+The precision rule, one for a single process, DDP and FSDP2 (`precision="auto"`: "bf16" on CUDA, "fp32" on the
+CPU; either can be asked for on any device):
+
+    bf16    the matrix multiplies (attention and MLP projections, the LM head) run in bf16 under autocast;
+            everything else computes in fp32: the embedding e, so the residual stream h~ sums in fp32; the
+            RMSNorm weights (pre-norms, the final norm, and but under FSDP2 the q/k norms); every router
+            parameter (query, norm weight, gate, null source), so routing logits, weights and the read-out r
+            are fp32. The sources
+            are e (fp32) and the sublayer outputs v_l, bf16 as the matmuls return them. Parameters and
+            AdamW's states are fp32; FSDP2 gathers the layers in bf16 (half the traffic; the values autocast
+            casts the matrices to, while the layers' q/k-norm weights become bf16 copies: `shard`) and
+            reduces gradients in fp32.
+    fp32    everything in fp32, no autocast.
 """
 from __future__ import annotations
 
@@ -25,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from model import Model
 
 PARALLEL = ("ddp", "fsdp")
+PRECISIONS = ("auto", "bf16", "fp32")
 T = TypeVar("T")
 
 
@@ -54,10 +69,19 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-def autocast(device: torch.device) -> ContextManager:
-    """The one precision rule for forward passes: bf16 autocast on CUDA (parameters stay fp32, as FSDP's
-    MixedPrecisionPolicy below also computes in bf16), full fp32 on the CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
+    """The dtype of the matrix multiplies under the precision rule (the module's docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: allowed values are {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast(device: torch.device, precision: str = "auto") -> ContextManager:
+    """The precision rule for forward passes (the module's docstring): bf16 autocast, or none (fp32)."""
+    dtype = compute_dtype(device, precision)
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
 
 def setup(device: str = "auto", timeout_s: float = 600.0) -> Context:
@@ -171,8 +195,9 @@ def compile_sublayers(model: Model, backend: str | Callable = "inductor") -> Non
     depth: a 36-layer model compiles at most 3 forward and 3 backward graphs (RMSNorm, Attention, MLP; the
     kernel path applies the pre-norms itself and calls only the final norm). Depth routing runs between the
     compiled sublayers (its fast path is a kernel), so its number of sources, which changes from sublayer to
-    sublayer, never reaches a compiled graph. Forwards are replaced in place: parameter names, FSDP hooks and checkpoint
-    keys stay as they are.
+    sublayer, never reaches a compiled graph; the kernel path's reads are also kept out of a graph traced
+    around the whole model (kernels/lean.py), which then breaks at each read. Forwards are replaced in place:
+    parameter names, FSDP hooks and checkpoint keys stay as they are.
     """
     modules = [model.norm] + [m for layer in model.layers
                               for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
@@ -181,35 +206,53 @@ def compile_sublayers(model: Model, backend: str | Callable = "inductor") -> Non
         m.forward = torch.compile(m.forward, backend=backend)
 
 
-def shard(model: Model, ctx: Context) -> None:
-    """FSDP2: one parameter group per transformer layer, then the root (embedding, routers, every norm).
+def shard(model: Model, ctx: Context, precision: str = "auto") -> None:
+    """FSDP2: one parameter group per transformer layer, then the root (embedding, routers, pre-norms and the
+    final norm).
 
     A layer's forward is two sublayer calls with routing in between, so its group is the list [attention,
-    MLP]: FSDP all-gathers it before the attention call and frees it after the MLP call. The pre-norms stay
-    with the root (2 L d numbers): the routing reads their weights directly when it fuses the read with the
-    norm (kernels/lean.py), outside any module call that could trigger an all-gather. On CUDA parameters
-    compute in bf16 and gradients are reduced in fp32; the sharded fp32 copies are what AdamW updates.
+    MLP]: FSDP all-gathers it before the attention call and frees it after the MLP call, and its hooks run
+    around the sublayers' (compiled) forwards, never inside them. The pre-norms stay with the root (2 L d
+    numbers): the routing reads their weights directly when it fuses the read with the norm
+    (kernels/lean.py), outside any module call that could trigger an all-gather. The root keeps its
+    parameters in fp32 and the layers are gathered in the compute dtype, as the precision rule says (the
+    module's docstring): the one difference from DDP's autocast is that a layer's q/k-norm weights, which sit
+    in its attention, compute as bf16 copies there. Gradients are reduced in fp32; the sharded fp32 copies are
+    what AdamW updates. Inputs are not cast: autocast casts them at each matmul, as under DDP.
     """
     mesh = dist.device_mesh.init_device_mesh(ctx.device.type, (ctx.world_size,))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if ctx.device.type == "cuda" else MixedPrecisionPolicy())
+    layers = MixedPrecisionPolicy(param_dtype=compute_dtype(ctx.device, precision), reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
     for layer in model.layers:
-        fully_shard([layer.self_attn, layer.mlp], mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard([layer.self_attn, layer.mlp], mesh=mesh, mp_policy=layers)
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+
+
+def check_compile_backend(backend: str) -> None:
+    import torch._dynamo  # only when compiling: importing dynamo costs a second
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"compile_backend={backend!r}: allowed values are {', '.join(sorted(known))}")
 
 
 def parallelize(model: Model, parallel: str, ctx: Context, *, activation_checkpointing: bool = False,
-                compile: bool = False) -> nn.Module:
+                compile: bool = False, compile_backend: str = "inductor", precision: str = "auto") -> nn.Module:
     """Apply compilation, activation checkpointing (around the compiled forwards), then DDP or FSDP2.
     Returns the module to call; its parameter names (and, except under FSDP, objects) are `model`'s."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel={parallel!r}: allowed values are {', '.join(PARALLEL)}")
     if compile:
-        compile_sublayers(model)
+        check_compile_backend(compile_backend)
+        # Under DDP dynamo would cut every compiled graph at DDP's gradient-bucket boundaries (optimize_ddp),
+        # so that a bucket's all-reduce can start inside the graph's backward: an MLP's fp32 matrices fill
+        # more than one bucket. Each graph here is one sublayer, whose backward already ends where the next
+        # bucket can start, so the graphs stay whole: one per sublayer kind, as in one process.
+        torch._dynamo.config.optimize_ddp = False
+        compile_sublayers(model, compile_backend)
     if activation_checkpointing:
         checkpoint_activations(model)
     if parallel == "fsdp":
-        shard(model, ctx)
+        shard(model, ctx, precision)
         return model
     if ctx.world_size > 1:
         return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)

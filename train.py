@@ -68,7 +68,8 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: shards.ShardLoader, n_batches: int, device: torch.device) -> float:
+def evaluate(model: nn.Module, loader: shards.ShardLoader, n_batches: int, device: torch.device,
+             precision: str = "auto") -> float:
     """Mean token loss over the first n_batches of the held-out split (the same batches every time),
     averaged over ranks when a process group is running (every rank must call it)."""
     model.eval()
@@ -77,7 +78,7 @@ def evaluate(model: nn.Module, loader: shards.ShardLoader, n_batches: int, devic
     total = torch.zeros((), device=device)
     for _ in range(n_batches):
         x, y = (t.to(device) for t in loader.next_batch())
-        with distributed.autocast(device):
+        with distributed.autocast(device, precision):
             total += loss_fn(model, x, y).detach()
     model.train()
     total = distributed.all_reduce(total) / (loader.world_size * n_batches)
@@ -218,6 +219,7 @@ class _Run:
         names = {id(p): n for n, p in raw.named_parameters()}
         group_spec = groups or param_groups(raw, cfg)
         wrapped = distributed.parallelize(raw, cfg.parallel, self.ctx, compile=cfg.compile,
+                                          compile_backend=cfg.compile_backend, precision=cfg.precision,
                                           activation_checkpointing=cfg.activation_checkpointing)
         optimizer = torch.optim.AdamW(_rebind(group_spec, names, raw), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                       fused=self.device.type == "cuda" and cfg.parallel == "ddp")
@@ -245,7 +247,7 @@ class _Run:
         for micro in range(self.grad_accum):
             x, y = (t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
             with distributed.gradient_sync(self.model, micro == self.grad_accum - 1):
-                with distributed.autocast(device):
+                with distributed.autocast(device, cfg.precision):
                     loss = loss_fn(self.model, x, y)
                 (loss / self.grad_accum).backward()
             loss_sum += loss.detach() / self.grad_accum
@@ -280,7 +282,8 @@ class _Run:
             self._log_step(r)
         t_pause = time.time()  # evaluation and saving do not count against tokens/s
         if step % cfg.eval_interval == 0 and step < cfg.max_steps and not stopping:
-            val = evaluate(self.model, self.val_loader, cfg.eval_batches * self.grad_accum, self.device)
+            val = evaluate(self.model, self.val_loader, cfg.eval_batches * self.grad_accum, self.device,
+                           cfg.precision)
             self.log({"step": step, "val_loss": val, "val_ppl": math.exp(val)},
                      f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
         due = (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or r["save_due"]
@@ -343,7 +346,8 @@ class _Run:
                      f"step {self.step:5d} | stopped by {signal.Signals(stopped_by).name}: saved {self.last_saved}; "
                      "continue with --resume")
         else:
-            val = evaluate(self.model, self.val_loader, self.cfg.eval_batches * self.grad_accum, self.device)
+            val = evaluate(self.model, self.val_loader, self.cfg.eval_batches * self.grad_accum, self.device,
+                           self.cfg.precision)
             elapsed = time.time() - self.t0
             self.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(val), "final": True, "wall_s": elapsed},
                      f"final | step {self.step} | val loss {val:.4f} | val ppl {math.exp(val):.2f} | {elapsed:.0f}s")

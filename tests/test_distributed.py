@@ -17,14 +17,19 @@ import time
 import pytest
 import torch
 
-import checkpoint
-import cli
-import data
-import distributed
-import shards
-import train
-from config import TrainConfig
-from model import Model, ModelConfig
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # the kernel path's runs: before triton decorates the kernels
+
+import torch._dynamo  # noqa: E402  (it imports triton)
+
+import checkpoint  # noqa: E402
+import cli  # noqa: E402
+import data  # noqa: E402
+import distributed  # noqa: E402
+import shards  # noqa: E402
+import train  # noqa: E402
+from config import TrainConfig  # noqa: E402
+from model import Model, ModelConfig  # noqa: E402
 
 SMALL = dict(d_model=32, n_layers=3, n_blocks=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
 MAX_STEPS, SAVE_AT = 5, 2
@@ -34,9 +39,49 @@ TRAIN = dict(seq_len=32, batch_size=8, micro_batch_size=2, max_steps=MAX_STEPS, 
              eval_interval=1000, warmup_steps=2, lr=3e-3, device="cpu")
 
 
-def configs(residual: str, out_dir: str, kernel: str = "auto", **overrides) -> tuple[ModelConfig, TrainConfig]:
-    return (ModelConfig(residual=residual, kernel=kernel, **SMALL),
+def configs(residual: str, out_dir: str, kernel: str = "auto", model: dict | None = None,
+            **overrides) -> tuple[ModelConfig, TrainConfig]:
+    return (ModelConfig(residual=residual, kernel=kernel, **SMALL, **(model or {})),
             TrainConfig(out_dir=str(out_dir), **{**TRAIN, **overrides}))
+
+
+GRAPHS: list[int] = []   # one entry per graph dynamo hands to the "graph_counter" backend
+
+
+def graph_counter(gm, example_inputs):
+    """torch.compile's aot_eager, counting the graphs it is given (the worker and the pytest process both
+    register it, by importing this file)."""
+    GRAPHS.append(len(gm.graph.nodes))
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+torch._dynamo.register_backend(graph_counter)
+# gate and learned null under the GPU's precision rule, emulated on CPU: bf16 autocast, FSDP2's bf16 matrices;
+# the kernel path's runs read 8-token sequences (the interpreter's time grows with the tokens)
+PRECISE = dict(kernel="triton", model=dict(gate=True, null_source=True, learned_null=True), precision="bf16",
+               seq_len=8, max_steps=3)
+COMPILED = dict(kernel="triton", compile=True, compile_backend="graph_counter", seq_len=8, max_steps=3, batch_size=4)
+
+
+def precision_dtypes(parallel: str, ctx: distributed.Context) -> dict[str, list[str]]:
+    """The dtypes one forward under precision="bf16" computes in, wrapped as train.py wraps it: the residual
+    stream (the final norm's input), the sources, the router parameters, the sublayer outputs."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(residual="delta_block", kernel="triton", **SMALL, **PRECISE["model"]))
+    seen: dict[str, set] = {"stream": set(), "sources": set(), "routers": set(), "outputs": set()}
+
+    def observe(l, sources, router):
+        seen["sources"].update(str(s.dtype) for s in sources[:-1])   # the last is the null source
+        seen["routers"].update(str(p.dtype) for p in router.parameters())
+    model.routing_observer = observe
+    model.norm.register_forward_pre_hook(lambda m, args: seen["stream"].add(str(args[0].dtype)))
+    for layer in model.layers:
+        for m in (layer.self_attn, layer.mlp):
+            m.register_forward_hook(lambda m, args, out: seen["outputs"].add(str(out.dtype)))
+    wrapped = distributed.parallelize(model, parallel, ctx, precision="bf16")
+    with distributed.autocast(ctx.device, "bf16"):
+        wrapped(torch.randint(0, model.cfg.vocab_size, (2, 8)))
+    return {k: sorted(v) for k, v in seen.items()}
 
 
 class WindowSpy:
@@ -88,6 +133,24 @@ def worker(out_dir: str) -> None:
     run("fsdp_delta_block_kernel", "delta_block", parallel="fsdp", kernel="triton")
     run("ddp_delta", "delta")
     run("fsdp_delta", "delta", parallel="fsdp")
+    # one precision rule: DDP with autocast and FSDP2 with bf16 matrices compute in the same dtypes
+    run("ddp_bf16", "delta_block", **PRECISE)
+    run("fsdp_bf16", "delta_block", parallel="fsdp", **PRECISE)
+    ctx = distributed.Context(rank, 2, torch.device("cpu"), owns_group=False)
+    results["dtypes"] = {parallel: precision_dtypes(parallel, ctx) for parallel in ("ddp", "fsdp")}
+    # compiled sublayers under DDP with one bucket per parameter: dynamo must not cut the graphs at buckets
+    ddp = distributed.DistributedDataParallel
+
+    class OneBucketPerParameter(ddp):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs, bucket_cap_mb=1e-4)
+    distributed.DistributedDataParallel = OneBucketPerParameter
+    for parallel in ("ddp", "fsdp"):
+        torch._dynamo.reset()                # each run compiles its own graphs, none reused from the last
+        GRAPHS.clear()
+        run(f"{parallel}_compiled", "delta_block", parallel=parallel, **COMPILED)
+        results[f"{parallel}_compiled"]["graphs"] = list(GRAPHS)
+    distributed.DistributedDataParallel = ddp
 
     # Rank 1's clock runs 10 s per reading: only it reaches the 30 s budget, yet both ranks must stop together
     # (a rank that went on alone would wait forever in the next collective).
@@ -153,6 +216,21 @@ def single(tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """One process, the kernel path with compiled sublayers (counting their graphs) and eagerly, with the
+    2-rank runs' micro-batch (so the graphs' shapes are theirs)."""
+    out = tmp_path_factory.mktemp("compiled")
+    torch._dynamo.reset()
+    GRAPHS.clear()
+    results = {"compiled": train.train(*configs("delta_block", out / "compiled", **COMPILED))}
+    results["compiled"]["graphs"] = list(GRAPHS)
+    eager = {**COMPILED, "compile": False}
+    results["eager"] = train.train(*configs("delta_block", out / "eager", **eager))
+    torch._dynamo.reset()
+    return results
+
+
 @pytest.mark.parametrize("residual", ["baseline", "delta_block"])
 def test_ddp_matches_one_process(two_ranks, single, residual):
     results, _ = two_ranks
@@ -168,6 +246,31 @@ def test_ddp_matches_one_process(two_ranks, single, residual):
 def test_fsdp_matches_ddp(two_ranks, run, reference):
     results, _ = two_ranks
     assert results[run]["losses"] == pytest.approx(results[reference]["losses"], abs=1e-4, rel=0)
+
+
+def test_one_precision_rule_for_ddp_and_fsdp(two_ranks):
+    """precision="bf16" (the CUDA default, here on CPU): under DDP (autocast) and FSDP2 (bf16 matrices) alike
+    the stream, the embedding source and every router parameter are fp32 and the sublayer outputs bf16, so
+    both train alike: the same bf16 values enter the same matmuls, only the gradient sums' order differs."""
+    results, _ = two_ranks
+    fp32, bf16 = "torch.float32", "torch.bfloat16"
+    expected = {"stream": [fp32], "sources": [bf16, fp32], "routers": [fp32], "outputs": [bf16]}
+    assert results["dtypes"] == {"ddp": expected, "fsdp": expected}
+    ddp, fsdp = results["ddp_bf16"]["losses"], results["fsdp_bf16"]["losses"]
+    assert fsdp == pytest.approx(ddp, abs=1e-4, rel=0)
+    assert ddp[-1] < ddp[0] - 0.05
+
+
+def test_compiled_sublayers_stay_whole_under_ddp_and_fsdp(two_ranks, compiled):
+    """With a gradient bucket per parameter, DDP compiles the same graphs as one process (none is cut at a
+    bucket), and so does FSDP2 (its hooks run around the compiled forwards); the compiled kernel path trains
+    as the eager one."""
+    results, _ = two_ranks
+    assert results["ddp_compiled"]["graphs"] == results["fsdp_compiled"]["graphs"] == compiled["compiled"]["graphs"]
+    assert compiled["compiled"]["losses"] == pytest.approx(compiled["eager"]["losses"], abs=1e-6, rel=0)
+    for parallel in ("ddp", "fsdp"):
+        assert results[f"{parallel}_compiled"]["losses"] == pytest.approx(compiled["compiled"]["losses"], abs=1e-5,
+                                                                          rel=0)
 
 
 def test_rank_windows_are_disjoint_and_make_the_global_batch(two_ranks, single):
