@@ -19,10 +19,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-import cli
-import files
-import shards
-from tokenizer import ByteTokenizer, get_tokenizer
+from infra import cli
+from infra import files
+from infra import shards
+from infra.tokenizer import ByteTokenizer, get_tokenizer
 
 PREPARE_LOCK = "prepare.lock"
 SHAKESPEARE_DIR = os.path.join("data", "shakespeare")  # where data="shakespeare" is prepared

@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import cli
-import distributed
-import files
+from infra import cli
+from infra import distributed
+from infra import files
 import sample
-import shards
-import trained
-from lm_eval_adapter import HarnessLM, run_tasks
+from infra import shards
+from infra import trained
+from infra.lm_eval_adapter import HarnessLM, run_tasks
 from model import Model
-from routing_analysis import plot_routing, routing_analysis
+from infra.routing_analysis import plot_routing, routing_analysis
 
 
 def load_tokens(ckpt: dict, model: Model, path: str | None, split: str) -> tuple[list[np.ndarray], str]:

@@ -29,15 +29,15 @@ from typing import Iterator
 
 import torch
 
-import cli
+from infra import cli
 import data
-import distributed
-import files
-import shards
+from infra import distributed
+from infra import files
+from infra import shards
 import train
-import trained
-from config import NON_NEGATIVE, TrainConfig, check_ranges, load_config
-from hf_qwen3 import load_hf_qwen3, save_hf_qwen3
+from infra import trained
+from infra.config import NON_NEGATIVE, TrainConfig, check_ranges, load_config
+from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
 from model import Model, ModelConfig
 from router import make_policy
 

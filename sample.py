@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-import cli
-import distributed
-import trained
+from infra import cli
+from infra import distributed
+from infra import trained
 from model import KVCache, Model
 
 

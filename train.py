@@ -32,14 +32,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
-import cli
+from infra import checkpoint
+from infra import cli
 import data
-import distributed
-import files
-import runlog
-import shards
-from config import TrainConfig, load_config
+from infra import distributed
+from infra import files
+from infra import runlog
+from infra import shards
+from infra.config import TrainConfig, load_config
 from model import Model, ModelConfig
 
 OUT_DIR_LOCK = "run.lock"

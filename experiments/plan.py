@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from config import load_config
+from infra.config import load_config
 
 
 CONFIG = "configs/sweep_l12.py"

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from experiments.plan import Section
-from routing_analysis import plot_routing
+from infra.routing_analysis import plot_routing
 
 
 def plot_curves(section: Section, figures: dict, path: str, plt) -> bool:

@@ -35,10 +35,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: th
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
+from infra import checkpoint  # noqa: E402
 import data  # noqa: E402
 import train  # noqa: E402
-from config import TrainConfig  # noqa: E402
+from infra.config import TrainConfig  # noqa: E402
 from kernels.launch import observe_launches  # noqa: E402
 from model import ModelConfig  # noqa: E402
 

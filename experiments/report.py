@@ -15,14 +15,14 @@ import numpy as np
 import torch
 
 import eval as evaluation
-import trained
-from config import load_config
+from infra import trained
+from infra.config import load_config
 from experiments.plan import Plan, Run, Section, memory_key, model_config, n_sources
 from experiments.plots import plot
 from experiments.runner import read_log
 from kernels.memory import saved_bytes
 from model import Model, ModelConfig
-from routing_analysis import routing_analysis
+from infra.routing_analysis import routing_analysis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ import torch
 
 import data
 import train
-from config import TrainConfig
+from infra.config import TrainConfig
 from experiments.plan import Run
 
 

@@ -35,15 +35,15 @@ import torch
 import torch.nn.functional as F
 import triton
 
-import distributed
-from config import TrainConfig, load_config
+from infra import distributed
+from infra.config import TrainConfig, load_config
 from kernels import traffic
 from kernels.depth_route import depth_route, route_backward, route_forward
 from kernels.launch import Launch, observe_launches, source_table
 from kernels.traffic import ByteCounter
 from model import Model, ModelConfig
 from router import depth_route as reference
-from runlog import flops_per_token
+from infra.runlog import flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, TOKENS = 1280, (4, 1024)

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from kernels.launch import Launch, SourceTable, observe_launches
 from model import Model, ModelConfig, RMSNorm
-from runlog import flops_per_token
+from infra.runlog import flops_per_token
 
 SHAPE_1044M = dict(vocab_size=151936, d_model=1280, n_layers=36, n_heads=20, n_kv_heads=4, head_dim=64,
                    d_ff=5120, n_blocks=8)

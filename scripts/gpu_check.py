@@ -252,7 +252,7 @@ def random_shards(folder: str, vocab_size: int, windows: int, seq_len: int = 102
     """A data folder train.py reads: `windows` windows of random tokens per split (uint32 shards for Qwen3's
     151,936-token vocabulary: shards.write_shard takes the width the vocabulary needs) and its meta.json."""
     import numpy as np
-    import shards
+    from infra import shards
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
@@ -274,7 +274,7 @@ def multi_gpu_command(mode: str, n: int, data: str, out_dir: str, steps: int) ->
 def multi_gpu(mode: str, args: argparse.Namespace, save) -> dict:
     """torchrun train.py in `mode` on every GPU; its log.jsonl entries saved as they come."""
     import torch
-    from config import load_config
+    from infra.config import load_config
     n = torch.cuda.device_count()
     folder = os.path.join(args.work, f"multi_gpu_{mode}")
     vocab = load_config([os.path.join(ROOT, MULTI_GPU_CONFIG)])[0].vocab_size

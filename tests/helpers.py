@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import checkpoint
-import shards
-from config import TrainConfig
+from infra import checkpoint
+from infra import shards
+from infra.config import TrainConfig
 from model import Model, ModelConfig
 
 SUCCESSOR_LOGIT = 10.0

@@ -7,15 +7,15 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import checkpoint
-import distributed
-import files
+from infra import checkpoint
+from infra import distributed
+from infra import files
 import finetune
 import sample
-import shards
+from infra import shards
 import train
-import trained
-from hf_qwen3 import load_hf_qwen3
+from infra import trained
+from infra.hf_qwen3 import load_hf_qwen3
 from model import Model, ModelConfig
 
 SMALL = ["--d_model=32", "--n_layers=2", "--n_blocks=2", "--n_heads=2", "--n_kv_heads=1", "--head_dim=16", "--d_ff=64",

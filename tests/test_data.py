@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import data
-import shards
-import tokenizer
+from infra import shards
+from infra import tokenizer
 from tests.helpers import tiny_tokenizer_json
 
 

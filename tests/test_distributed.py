@@ -22,13 +22,13 @@ if not torch.cuda.is_available():
 
 import torch._dynamo  # noqa: E402  (it imports triton)
 
-import checkpoint  # noqa: E402
-import cli  # noqa: E402
+from infra import checkpoint  # noqa: E402
+from infra import cli  # noqa: E402
 import data  # noqa: E402
-import distributed  # noqa: E402
-import shards  # noqa: E402
+from infra import distributed  # noqa: E402
+from infra import shards  # noqa: E402
 import train  # noqa: E402
-from config import TrainConfig  # noqa: E402
+from infra.config import TrainConfig  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
 SMALL = dict(d_model=32, n_layers=3, n_blocks=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import eval as ev
-import shards
-from hf_qwen3 import save_hf_qwen3
+from infra import shards
+from infra.hf_qwen3 import save_hf_qwen3
 from model import Model
 from tests.helpers import (SUCCESSOR_LOGIT, byte_data, routed_model, save, successor_model, tiny_config,
                            write_data)

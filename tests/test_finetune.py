@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-import checkpoint
+from infra import checkpoint
 import finetune
-from config import TrainConfig, load_config
+from infra.config import TrainConfig, load_config
 from finetune import FinetuneConfig
-from hf_qwen3 import load_hf_qwen3, model_config_from_hf
+from infra.hf_qwen3 import load_hf_qwen3, model_config_from_hf
 from model import Model, ModelConfig
 from tests.tiny_qwen3 import QWEN3_0P6B, ckpts, corpus, tokens  # noqa: F401 (ckpts, corpus: fixtures)
 

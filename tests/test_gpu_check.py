@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-import shards
-from config import load_config
+from infra import shards
+from infra.config import load_config
 from scripts import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

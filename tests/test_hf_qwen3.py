@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_qwen3 import load_hf_qwen3, model_config_from_hf, save_hf_qwen3
+from infra.hf_qwen3 import load_hf_qwen3, model_config_from_hf, save_hf_qwen3
 from tests.tiny_qwen3 import QWEN3_0P6B, ckpts, corpus, tokens  # noqa: F401 (ckpts, corpus: fixtures)
 
 transformers = pytest.importorskip("transformers")

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import eval as ev
-import lm_eval_adapter
-from lm_eval_adapter import HarnessLM
+from infra import lm_eval_adapter
+from infra.lm_eval_adapter import HarnessLM
 from model import Model
 from tests.helpers import SUCCESSOR_LOGIT, byte_data, routed_model, save, successor_model
-from tokenizer import ByteTokenizer
+from infra.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "tests/tasks/successor_mc.yaml"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from config import load_config
+from infra.config import load_config
 from model import GATED_QUERY_INIT_STD, Model, ModelConfig
 from router import METHODS
 

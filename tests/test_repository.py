@@ -29,7 +29,7 @@ def module_name(path: str) -> str:
 
 # The importable modules: the top level and the packages (configs are run as files, tests by pytest).
 MODULES = {module_name(p): p for p in python_files()
-           if os.sep not in p or p.startswith(("kernels" + os.sep, "experiments" + os.sep))}
+           if os.sep not in p or p.startswith(("infra" + os.sep, "kernels" + os.sep, "experiments" + os.sep))}
 
 
 def parse(path: str) -> ast.Module:

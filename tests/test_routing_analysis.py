@@ -10,7 +10,7 @@ import torch
 
 import eval as ev
 from model import Model
-from routing_analysis import RoutingRecorder, routing_analysis
+from infra.routing_analysis import RoutingRecorder, routing_analysis
 from tests.helpers import byte_data, routed_model, save, tiny_config
 
 

@@ -7,7 +7,7 @@ import eval as ev
 import sample
 from model import Attention, KVCache, Model
 from tests.helpers import byte_data, routed_model, save, successor_model, tiny_config
-from tokenizer import ByteTokenizer
+from infra.tokenizer import ByteTokenizer
 
 
 @pytest.mark.parametrize("residual", ["delta_block", "attnres", "baseline"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import shards
+from infra import shards
 
 
 # ---------------------------------------------------------------------------------------------- shards

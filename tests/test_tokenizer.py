@@ -2,7 +2,7 @@
 import pytest
 from tokenizers import Tokenizer, models
 
-import tokenizer
+from infra import tokenizer
 from tests.helpers import tiny_tokenizer_json
 
 

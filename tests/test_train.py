@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import cli
+from infra import checkpoint
+from infra import cli
 import data
-import files
-import runlog
-import shards
+from infra import files
+from infra import runlog
+from infra import shards
 import train
-from config import TrainConfig, load_config
+from infra.config import TrainConfig, load_config
 from model import Model, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

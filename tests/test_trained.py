@@ -9,8 +9,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import trained
-from config import TrainConfig
+from infra import trained
+from infra.config import TrainConfig
 from tests.helpers import byte_data, routed_model, save
 
 

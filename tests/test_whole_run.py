@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-import distributed  # noqa: E402
+from infra import distributed  # noqa: E402
 from kernels import lean  # noqa: E402
 from kernels.lean import GradBank, Group  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-import files
+from infra import files
 
 MAGIC = int.from_bytes(b"DARS", "little")  # a shard file starts with the bytes "DARS"
 VERSION = 2

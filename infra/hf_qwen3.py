@@ -16,7 +16,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import files
+from infra import files
 from model import Model, ModelConfig
 
 # ModelConfig fields that come from config.json; the others (routing) are the user's to choose.

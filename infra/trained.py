@@ -12,12 +12,12 @@ from dataclasses import asdict
 
 import torch
 
-import checkpoint
+from infra import checkpoint
 import data
-import shards
-from hf_qwen3 import load_hf_qwen3
+from infra import shards
+from infra.hf_qwen3 import load_hf_qwen3
 from model import Model, ModelConfig
-from tokenizer import get_tokenizer
+from infra.tokenizer import get_tokenizer
 
 MODEL_KEYS = ("model", "model_config")
 HF_CONTEXT = 2048  # a Hugging Face folder records no training length: the paper's Qwen3 sequence length

@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-import cli
-import distributed
-import files
+from infra import cli
+from infra import distributed
+from infra import files
 
 _CKPT_NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
 META = "meta.json"

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from model import Model
 from router import depth_weights
-from shards import windows
+from infra.shards import windows
 
 
 def receiver_name(index: int, n_layers: int) -> str:

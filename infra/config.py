@@ -17,7 +17,7 @@ import runpy
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from distributed import PARALLEL, PRECISIONS
+from infra.distributed import PARALLEL, PRECISIONS
 from model import ModelConfig
 
 

@@ -8,7 +8,7 @@ import resource
 
 import torch
 
-from config import TrainConfig
+from infra.config import TrainConfig
 from model import ModelConfig
 
 
