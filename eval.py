@@ -27,7 +27,7 @@ from tqdm import tqdm
 from infra import cli
 from infra import distributed
 from infra import files
-import sample
+from infra import generation
 from infra import shards
 from infra import trained
 from infra.lm_eval_adapter import HarnessLM, run_tasks
@@ -176,7 +176,7 @@ def main(argv: list[str]) -> dict:
         seq_len = args.seq_len or trained.context_length(ckpt)
         entry = report.setdefault(ckpt["path"], {})
         if args.sample is not None:
-            entry["sample"] = sample.sample_text(model, trained.run_tokenizer(ckpt, model), args.sample,
+            entry["sample"] = generation.sample_text(model, trained.run_tokenizer(ckpt, model), args.sample,
                                                  args.max_new_tokens, args.temperature, args.top_k, seq_len,
                                                  seed=args.seed)
             print(f"--- {ckpt['path']}\n{entry['sample']}")

@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from infra import cli
-import data
+from infra import corpus
 from infra import distributed
 from infra import files
 from infra import shards
@@ -116,7 +116,7 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     if os.path.isfile(stamp_path):  # left by an interrupted preparation; must not release the other ranks
         os.remove(stamp_path)
     texts = None if ft.text == "fineweb" else read_texts(ft.text)
-    meta = data.prepare_fineweb(out_dir, tokenizer=tokenizer, tokenizer_path=tokenizer, texts=texts,
+    meta = corpus.prepare_fineweb(out_dir, tokenizer=tokenizer, tokenizer_path=tokenizer, texts=texts,
                                 max_tokens=ft.text_max_tokens or None, val_docs=ft.text_val_docs)
     if meta["train_tokens"] == 0 or meta["val_tokens"] == 0:
         raise ValueError(f"text={ft.text!r} gave {meta['n_val_docs']} validation and {meta['n_train_docs']} training "

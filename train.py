@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from infra import checkpoint
 from infra import cli
-import data
+from infra import corpus
 from infra import distributed
 from infra import files
 from infra import runlog
@@ -192,7 +192,7 @@ class _Run:
 
     def _open_data(self, resume: dict | None) -> tuple[shards.ShardLoader, shards.ShardLoader]:
         cfg, ctx = self.cfg, self.ctx
-        directory = distributed.on_main(ctx, lambda: data.data_dir(cfg.data))  # rank 0 prepares the embedded corpus
+        directory = distributed.on_main(ctx, lambda: corpus.data_dir(cfg.data))  # rank 0 prepares the embedded corpus
         shards.load_meta(directory)  # an unprepared folder fails here, with how to prepare it
         train_loader = shards.ShardLoader(directory, "train", self.micro, cfg.seq_len, rank=ctx.rank,
                                           world_size=ctx.world_size, seed=cfg.seed, step_batch=cfg.batch_size)

@@ -36,7 +36,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: th
 import torch  # noqa: E402
 
 from infra import checkpoint  # noqa: E402
-import data  # noqa: E402
+from infra import corpus  # noqa: E402
 import train  # noqa: E402
 from infra.config import TrainConfig  # noqa: E402
 from kernels.launch import observe_launches  # noqa: E402
@@ -186,7 +186,7 @@ def run_ranks(world: str, names: list[str], steps: int, out: str, timeout: float
 
 def rehearse(worlds: tuple[str, ...], names: list[str], steps: int, out: str) -> list[dict]:
     """Every case in every world -> their figures (each case's runs in out/<world>/<i>)."""
-    data.data_dir(TrainConfig().data)      # the embedded corpus, prepared before any rank looks for it
+    corpus.data_dir(TrainConfig().data)      # the embedded corpus, prepared before any rank looks for it
     results = []
     for world in worlds:
         if world == "single":

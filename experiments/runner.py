@@ -13,7 +13,7 @@ from contextlib import redirect_stdout
 import numpy as np
 import torch
 
-import data
+from infra import corpus
 import train
 from infra.config import TrainConfig
 from experiments.plan import Run
@@ -69,7 +69,7 @@ def clock(seconds: float) -> str:
 def execute(runs: list[Run], out: str, jobs: int, threads: int, budget_s: float | None = None) -> list[str]:
     """Train every unfinished run, equal-steps runs first, then the equal wall-clock ones, whose
     steps come from the former. One progress line per run. Returns the names of runs that failed."""
-    data.data_dir(TrainConfig().data)           # prepare the corpus once, before workers race to do it
+    corpus.data_dir(TrainConfig().data)           # prepare the corpus once, before workers race to do it
     start, total = time.time(), len(runs)
     done_cost, left_cost, failed, index = 0.0, sum(r.cost for r in runs), [], 0
 

@@ -11,7 +11,7 @@ import os
 import torch
 from tqdm import tqdm
 
-import sample
+from infra import generation
 from model import Model
 
 try:  # lm-eval is optional: only --tasks needs it, and HarnessLM works without it
@@ -91,7 +91,7 @@ class HarnessLM(_HarnessBase):
             context, kwargs = r.args
             until = kwargs.get("until") or []
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
-            outputs.append(sample.complete(self.model, self.tok, context, [until] if isinstance(until, str) else until,
+            outputs.append(generation.complete(self.model, self.tok, context, [until] if isinstance(until, str) else until,
                                            int(kwargs.get("max_gen_toks", 256)), temperature, self.max_length))
         return outputs
 

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import torch
 
 from infra import checkpoint
-import data
+from infra import corpus
 from infra import shards
 from infra.hf_qwen3 import load_hf_qwen3
 from model import Model, ModelConfig
@@ -65,7 +65,7 @@ def run_data_dir(ckpt: dict) -> str:
     name = ckpt.get("train_config", {}).get("data")
     if name is None:
         raise ValueError(f"{ckpt['path']} records no train_config['data']: pass --data")
-    return data.data_dir(name)
+    return corpus.data_dir(name)
 
 
 def run_tokenizer(ckpt: dict, model: Model):

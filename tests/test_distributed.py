@@ -24,7 +24,7 @@ import torch._dynamo  # noqa: E402  (it imports triton)
 
 from infra import checkpoint  # noqa: E402
 from infra import cli  # noqa: E402
-import data  # noqa: E402
+from infra import corpus  # noqa: E402
 from infra import distributed  # noqa: E402
 from infra import shards  # noqa: E402
 import train  # noqa: E402
@@ -190,7 +190,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[dict, str]:
     out = str(tmp_path_factory.mktemp("torchrun"))
-    data.data_dir(TrainConfig().data)  # prepare the corpus once, before two processes look for it
+    corpus.data_dir(TrainConfig().data)  # prepare the corpus once, before two processes look for it
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

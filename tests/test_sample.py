@@ -5,6 +5,7 @@ import torch
 
 import eval as ev
 import sample
+from infra import generation
 from model import Attention, KVCache, Model
 from tests.helpers import byte_data, routed_model, save, successor_model, tiny_config
 from infra.tokenizer import ByteTokenizer
@@ -29,7 +30,7 @@ def test_cached_and_uncached_greedy_generation_agree():
     idx = torch.randint(0, 256, (1, 5))
 
     def run(use_cache: bool, context: int) -> torch.Tensor:
-        return torch.cat(list(sample.generate(model, idx, 12, temperature=0, context=context, use_cache=use_cache)), 1)
+        return torch.cat(list(generation.generate(model, idx, 12, temperature=0, context=context, use_cache=use_cache)), 1)
 
     assert torch.equal(run(True, 32), run(False, 32))
     assert run(True, 8).shape == (1, 12)        # past the window: rebuilt from its newer half
@@ -40,7 +41,7 @@ def test_sampling_from_the_command_line(tmp_path):
     report = ev.main([path, "--sample", "ab", "--max_new_tokens=5", "--temperature=0"])
     assert report[path]["sample"] == "abcdefg"
     tok = ByteTokenizer()
-    top1 = sample.sample_text(successor_model(), tok, "k", 4, temperature=2.0, top_k=1, seed=3)
+    top1 = generation.sample_text(successor_model(), tok, "k", 4, temperature=2.0, top_k=1, seed=3)
     assert top1 == "klmno"                      # top_k=1 is greedy at any temperature
     with pytest.raises(ValueError, match="temperature >= 0"):
-        sample.sample_text(successor_model(), tok, "k", 4, temperature=-1.0)
+        generation.sample_text(successor_model(), tok, "k", 4, temperature=-1.0)

@@ -18,7 +18,7 @@ import torch
 
 from infra import checkpoint
 from infra import cli
-import data
+from infra import corpus
 from infra import files
 from infra import runlog
 from infra import shards
@@ -65,7 +65,7 @@ def test_unknown_key_in_config_file(tmp_path):
 def test_initial_loss_is_log_vocab():
     torch.manual_seed(0)
     model = Model(ModelConfig(residual="delta_block", n_blocks=4))
-    loader = shards.ShardLoader(data.data_dir(TrainConfig().data), "train", 8, 64)
+    loader = shards.ShardLoader(corpus.data_dir(TrainConfig().data), "train", 8, 64)
     x, y = loader.next_batch()
     assert abs(train.loss_fn(model, x, y).item() - math.log(257)) < 0.05
 
@@ -76,7 +76,7 @@ def test_one_batch_overfits():
                               residual="delta_block", n_blocks=2))
     cfg = TrainConfig(weight_decay=0.0)
     opt = torch.optim.AdamW(train.param_groups(model, cfg), lr=3e-3)
-    x, y = shards.ShardLoader(data.data_dir(cfg.data), "train", 4, 32).next_batch()
+    x, y = shards.ShardLoader(corpus.data_dir(cfg.data), "train", 4, 32).next_batch()
     for _ in range(150):
         loss = train.loss_fn(model, x, y)
         opt.zero_grad()
