@@ -194,14 +194,14 @@ def _check(table: SourceTable, query: Tensor, norm_weight: Tensor, diff: tuple[T
                              f"{tuple(first.shape)} on {first.device}, of dtype {', '.join(map(str, DTYPES))}")
 
 
-PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/aot.py checks registers against
+PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/tools/aot.py checks registers against
 
 
 def _config(M: int, d: int, backward: bool = False) -> dict:
     """Tile and launch shape. BLOCK_D covers a whole row (the norm needs it). On a GPU, rows per program and
     warps are chosen per width so that each thread holds 16 fp32 values of a tile (8 at d > 2048, where the
     row alone is that many), and the source loop keeps the next tiles in flight: two more in the forward, one
-    in the backward, which holds more tiles per source (checked: no spills at d = 768 .. 4096, kernels/aot.py).
+    in the backward, which holds more tiles per source (checked: no spills at d = 768 .. 4096, kernels/tools/aot.py).
     The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
     programs are faster."""
     block_d = triton.next_power_of_2(d)

@@ -140,7 +140,7 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (kernels/aot.py checks registers against it): phase 1 holds every
+# Programs per SM each kernel is built for (kernels/tools/aot.py checks registers against it): phase 1 holds every
 # receiver's running sum of a row (forward) or its go, query and du (backward), so one program per SM, whose
 # software pipeline keeps the next rows of sources in flight.
 PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}

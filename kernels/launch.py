@@ -5,8 +5,8 @@
   not) and uploads the addresses in one copy; the kernels say so with tl.multiple_of, which turns their source
   loads into 128-bit loads. Host work is O(N) per table, and a forward read's table serves its backward.
 - Every launch goes through `_launch`, which hands a description of it (kernel, arguments, what it reads and
-  writes) to observers first: kernels/traffic.py counts bytes with it, kernels/aot.py compiles exactly the
-  specialisations the model launches, and kernels/bench.py times the host path without launching. It runs
+  writes) to observers first: kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the
+  specialisations the model launches, and kernels/tools/bench.py times the host path without launching. It runs
   the kernel on the tensors' device.
 - `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
   should share an SM (each kernel module says, in PROGRAMS_PER_SM, and why).

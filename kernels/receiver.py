@@ -199,7 +199,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (kernels/aot.py checks registers against it): the forward keeps two;
+# Programs per SM each kernel is built for (kernels/tools/aot.py checks registers against it): the forward keeps two;
 # the backward holds a row's r, x, dy, dr and h, so one, whose software pipeline keeps the next rows in flight.
 PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
 

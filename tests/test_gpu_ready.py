@@ -1,5 +1,5 @@
 """The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU
-needed (kernels/aot.py): every specialisation the model launches at the paper's widths compiles, spills
+needed (kernels/tools/aot.py): every specialisation the model launches at the paper's widths compiles, spills
 nothing, fits two programs per SM, and moves its tiles in 128-bit transfers. Two deliberately bad builds show
 that the rules can fail. The compiler runs in a fresh process: the other kernel tests put Triton in
 interpreter mode, which cannot compile."""
@@ -16,7 +16,7 @@ SCRIPT = r"""
 import json
 from dataclasses import asdict
 import triton.language as tl
-from kernels import aot
+from kernels.tools import aot
 from kernels.launch import Launch
 
 results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled] for d, compiled in aot.compile_all().items()}
@@ -36,7 +36,7 @@ print(json.dumps({"results": results, "controls": controls}))
 
 @pytest.fixture(scope="module")
 def compiled():
-    from kernels.aot import PTXAS
+    from kernels.tools.aot import PTXAS
     if not os.path.exists(PTXAS):
         pytest.skip(f"this Triton wheel has no ptxas ({PTXAS}): cannot compile for sm_90 here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

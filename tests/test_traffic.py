@@ -1,11 +1,11 @@
-"""The traffic meter (kernels/traffic.py) counts what a hand count gives on tiny cases: torch ops read their
+"""The traffic meter (kernels/tools/traffic.py) counts what a hand count gives on tiny cases: torch ops read their
 arguments and write their outputs (views and allocations move nothing, a broadcast counts once), kernel
 launches move the tensors they describe, and the meter's routing bytes are a step's minus the baseline's."""
 import torch
 
 from kernels.depth_route import depth_route
 from kernels.launch import observe_launches
-from kernels.traffic import METHODS, ByteCounter, count_step, measure, predicted_ratio
+from kernels.tools.traffic import METHODS, ByteCounter, count_step, measure, predicted_ratio
 from model import ModelConfig
 
 

@@ -1,7 +1,7 @@
 """The memory traffic depth routing adds to one training step, per method, and the speed it predicts.
 
-    python -m kernels.traffic                      # the 1044M shape: 36 layers, d = 1280, 8 blocks, 4 x 1024 tokens
-    python -m kernels.traffic --json out.json      # also save the figures
+    python -m kernels.tools.traffic                      # the 1044M shape: 36 layers, d = 1280, 8 blocks, 4 x 1024 tokens
+    python -m kernels.tools.traffic --json out.json      # also save the figures
 
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the

@@ -1,11 +1,11 @@
 """Compile the depth-routing kernels for an H100/H200 (sm_90) on any machine, and read what the compiler made.
 
-    python -m kernels.aot                   # every specialisation the model launches at d = 768, 1024, 1280, 4096
-    python -m kernels.aot --json out.json   # also save the table
+    python -m kernels.tools.aot                   # every specialisation the model launches at d = 768, 1024, 1280, 4096
+    python -m kernels.tools.aot --json out.json   # also save the table
 
 The pinned Triton wheel compiles for sm_90 without a GPU and ships NVIDIA's assembler (ptxas). The
 specialisations compiled are exactly those a GPU run launches: the model runs one training step on the meta
-device (kernels.traffic.dry_step) for every method and routing option (and kernels.depth_route.depth_route,
+device (kernels.tools.traffic.dry_step) for every method and routing option (and kernels.depth_route.depth_route,
 the public read, runs forward and backward), and each launch's arguments are bound
 as Triton's launcher binds them on a GPU (integers equal to 1 or divisible by 16, 16-byte aligned pointers:
 the launchers guarantee the alignment). For each specialisation it reports registers per thread and spill
@@ -34,7 +34,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from kernels import depth_route, grouped, receiver
 from kernels.launch import Launch, observe_launches, register_budget
-from kernels.traffic import REGIMES, ByteCounter, dry_step
+from kernels.tools.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
 TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
