@@ -291,6 +291,6 @@ class Model(nn.Module):
         baseline has nothing to route and always takes the plain path)."""
         args = (self.policy, self.routers, embedding, self.route, self.cfg.norm_eps, self.routing_observer)
         if self.policy.read != "none" and uses_kernel(self.cfg.kernel, embedding.device):
-            from kernels.lean import GroupedDepthState  # lazily: Triton decides at import whether to interpret
+            from kernels.grouped_state import GroupedDepthState  # lazily: Triton decides at import whether to interpret
             return GroupedDepthState(*args)
         return DepthState(*args)

@@ -10,7 +10,7 @@ Memory-lean by construction:
 - the backward recomputes the normalised keys: pass 1 gets D = grad . r = sum_i a_i (grad . s_i), pass 2
   writes each source's gradient and accumulates the query's.
 
-Besides the N sources the kernels take two optional extras, used by the model's fused path (kernels/lean.py):
+Besides the N sources the kernels take two optional extras, used by the model's fused path (kernels/grouped_state.py):
 a "difference" source h - base (Delta Block's partial block, recomputed from two tensors that are saved
 anyway instead of being saved itself) and a null source (an all-zero source: logit 0, value 0, never stored).
 
@@ -23,7 +23,7 @@ Made for memory bandwidth on a GPU (tests/test_gpu_ready.py checks the compiled 
 sources come through aligned address tables (kernels/launch.py) as 128-bit loads; the loops over sources are
 software-pipelined (tl.range(num_stages=...)), so the next source's tile is in flight while the current one is
 reduced; rows per program and warps are chosen per width (`_config`) so that nothing spills at the paper's
-widths. The jit helpers here are shared with the grouped kernels (kernels/grouped.py, kernels/receiver.py).
+widths. The jit helpers here are shared with the grouped kernels (kernels/group_read.py, kernels/receiver_read.py).
 """
 from __future__ import annotations
 

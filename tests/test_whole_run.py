@@ -1,8 +1,9 @@
-"""Whole-run properties of the kernel path (kernels/lean.py), not one call's: trained for several optimizer steps
-with every method and option, nothing of a step outlives it (live tensor bytes are flat from step to step, and no
-gradient bank or group of an earlier step is alive), also when a step is skipped or a forward is abandoned
-before its backward. A reference cycle through an autograd node is never collected: one such cycle keeps a
-step's sources, accumulators and tables alive for good, which a single forward and backward cannot show."""
+"""Whole-run properties of the kernel path (kernels/grouped_state.py), not one call's: trained for several
+optimizer steps with every method and option, nothing of a step outlives it (live tensor bytes are flat from
+step to step, and no gradient bank or group of an earlier step is alive), also when a step is skipped or a
+forward is abandoned before its backward. A reference cycle through an autograd node is never collected: one
+such cycle keeps a step's sources, accumulators and tables alive for good, which a single forward and backward
+cannot show."""
 import gc
 import os
 import warnings
@@ -15,8 +16,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from infra import distributed  # noqa: E402
-from kernels import lean  # noqa: E402
-from kernels.lean import GradBank, Group  # noqa: E402
+from kernels import grouped_state  # noqa: E402
+from kernels.grouped_state import GradBank, Group  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,7 +113,7 @@ def test_the_check_sees_a_cycle_through_the_graph(monkeypatch):
         bank.__dict__.setdefault("held", []).append(source)
         add(bank, source)
     monkeypatch.setattr(GradBank, "add", add_and_hold)
-    monkeypatch.setattr(lean, "_take", lambda ctx, *names: [getattr(ctx, name) for name in names])
+    monkeypatch.setattr(grouped_state, "_take", lambda ctx, *names: [getattr(ctx, name) for name in names])
     live, states, _ = train_steps(dict(residual="delta_block"))
     assert live[1] < live[2] < live[3] and states[1] < states[2] < states[3], (live, states)
 

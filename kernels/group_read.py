@@ -20,7 +20,7 @@ then reads each committed source once, sums ds_i over the group's receivers and 
 gradient accumulator per source, and gives each receiver the committed part of its du.
 
 This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
-loads; pipelined); phase 2, fused with the pre-norm, is kernels/receiver.py:
+loads; pipelined); phase 2, fused with the pre-norm, is kernels/receiver_read.py:
 - `_group_fwd`: R receivers at once, one token row per program: (r_C, lse_C) per receiver;
 - `_group_bwd`: the committed sources' gradients summed over the receivers, and their du.
 """

@@ -2,20 +2,19 @@
 
 The reference (router.DepthState) computes, per receiving sublayer, x = h~ + g r (additive, Eq. 2) or x = r
 (replacement) and y = RMSNorm(x), and autograd saves and sums whatever every op needs. `GroupedDepthState`
-runs the same policy with the kernels of kernels/grouped.py:
+runs the same policy with the kernels of kernels/group_read.py:
 
 - receivers are grouped (`plan_groups`): a Delta Block or AttnRes block is a group; fine-grained methods,
   which commit a source before every sublayer, take groups of `fine_group_size` consecutive receivers;
-- at a group's start one autograd node (`GroupRead`, kernels/grouped.py) reads the committed sources once for all of the group's
-  receivers (phase 1) and keeps, per receiver, r_C (in the sources' dtype) and lse_C;
+- at a group's start one autograd node (`GroupRead`, kernels/group_read.py) reads the committed sources once for
+  all of the group's receivers (phase 1) and keeps, per receiver, r_C (in the sources' dtype) and lse_C;
 - each receiver is one node (`ReceiverRead`) that finishes its read (phase 2) over its own sources (outputs
-  committed since the group began; the partial block as h~ - base, never stored; a null source as a flag)
-  and returns y = RMSNorm(x) directly; its backward recomputes r, x and the norm;
-- gradients of sources never pass through autograd per receiver: every kernel adds its sources' gradients
-  in place into one accumulator per source (`GradBank`), and only the first node that read a source in the
-  forward (the last to run backward) returns that accumulator to autograd, once. The partial block's
-  gradient goes to h~ in each receiver and, negated, to its base: summed over the group and returned once
-  by the group's node.
+  committed since the group began; the partial block as h~ - base, never stored; a null source as a flag) and
+  returns y = RMSNorm(x) directly; its backward recomputes r, x and the norm;
+- gradients of sources never pass through autograd per receiver: every kernel adds its sources' gradients in
+  place into one accumulator per source (`GradBank`), and only the first node that read a source in the forward
+  (the last to run backward) returns that accumulator to autograd, once. The partial block's gradient goes to h~
+  in each receiver and, negated, to its base: summed over the group and returned once by the group's node.
 
 model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelConfig.kernel == "triton".
 """
@@ -28,9 +27,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernels.grouped import group_backward, group_forward, receivers_per_pass
+from kernels.group_read import group_backward, group_forward, receivers_per_pass
 from kernels.launch import SourceTable, _aligned, slot_view, slots, source_table
-from kernels.receiver import learned_null_grads, receiver_backward, receiver_forward
+from kernels.receiver_read import learned_null_grads, receiver_backward, receiver_forward
 from router import DepthState, Policy, Router
 
 

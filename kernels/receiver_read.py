@@ -1,4 +1,4 @@
-"""Phase 2 of grouped depth routing (kernels/grouped.py derives it): one receiver finishes its read and applies
+"""Phase 2 of grouped depth routing (kernels/group_read.py derives it): one receiver finishes its read and applies
 its sublayer's pre-norm in the same kernel.
 
 - `_receiver_fwd`: the online softmax started from phase 1's state (lse_C, r_C), over the receiver's own
@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.depth_route import _folded_query, _logit, _read_table, _softmax_step, _source_grad, _table_source
-from kernels.grouped import _accumulate, _dtypes
+from kernels.group_read import _accumulate, _dtypes
 from kernels.launch import DTYPES, SourceTable, _interpreting, _launch, register_budget, slab_of, slot_view, wave
 
 # ------------------------------------------------------------------------------------------------ kernels
