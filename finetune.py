@@ -1,8 +1,8 @@
 """Fine-tune a pretrained Hugging Face Qwen3 into depth routing (the paper's Sec. 3.5), safely.
 
-    python finetune.py configs/finetune_qwen3_0.6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B
-    python finetune.py configs/finetune_qwen3_0.6b_baseline.py --init_from=checkpoints/Qwen3-0.6B
-    python finetune.py export out/ft_qwen3_0.6b_baseline/ckpt_0020000.pt out/qwen3_0.6b_ft_hf \\
+    python finetune.py configs/finetune_qwen3_0p6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B
+    python finetune.py configs/finetune_qwen3_0p6b_baseline.py --init_from=checkpoints/Qwen3-0.6B
+    python finetune.py export out/ft_qwen3_0p6b_baseline/ckpt_0020000.pt out/qwen3_0p6b_ft_hf \\
         --source=checkpoints/Qwen3-0.6B          # a fine-tuned baseline back to a Hugging Face folder
 
 The pretrained folder is read by hf_qwen3.py, which adds routers at their initialisation; `export` writes a

@@ -127,7 +127,7 @@ def test_cli_errors(ckpts, corpus, tmp_path):
 
 @pytest.mark.parametrize("name", ["delta_block", "baseline"])
 def test_paper_configs_fit_the_released_qwen3_0p6b(name):
-    model_cfg, cfg, ft = load_config([f"configs/finetune_qwen3_0.6b_{name}.py"],
+    model_cfg, cfg, ft = load_config([f"configs/finetune_qwen3_0p6b_{name}.py"],
                                      classes=(ModelConfig, TrainConfig, FinetuneConfig))
     assert (cfg.max_steps, cfg.batch_size, cfg.warmup_steps, cfg.lr) == (20_000, 32, 500, 5e-5)
     converted = model_config_from_hf(QWEN3_0P6B, **finetune.routing_overrides(model_cfg))

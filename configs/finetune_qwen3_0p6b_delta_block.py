@@ -1,8 +1,8 @@
 """Table 5's Delta Block fine-tune of the released Qwen3-0.6B: Delta Block with a null source, router lr 5e-3.
 
-    python finetune.py configs/finetune_qwen3_0.6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B
-    python finetune.py configs/finetune_qwen3_0.6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B \
-        --gate=true --out_dir=out/ft_qwen3_0.6b_delta_block_gated      # the exact-identity init
+    python finetune.py configs/finetune_qwen3_0p6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B
+    python finetune.py configs/finetune_qwen3_0p6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B \
+        --gate=true --out_dir=out/ft_qwen3_0p6b_delta_block_gated      # the exact-identity init
 """
 from configs.finetune_qwen3_0p6b import *  # noqa: F401,F403
 
@@ -19,4 +19,4 @@ learned_null = True          # the authors' code: a learned null vector per rece
 # sources would make the read c * h~, which the pre-norm ignores, so the gates would get no gradient; random
 # ones give the gates a gradient at step 0 and the queries from step 1.
 gate = False
-out_dir = "out/ft_qwen3_0.6b_delta_block"
+out_dir = "out/ft_qwen3_0p6b_delta_block"
