@@ -10,10 +10,6 @@ Memory-lean by construction:
 - the backward recomputes the normalised keys: pass 1 gets D = grad . r = sum_i a_i (grad . s_i), pass 2
   writes each source's gradient and accumulates the query's.
 
-Besides the N sources the kernels take two optional extras, used by the model's fused path (kernels/grouped_state.py):
-a "difference" source h - base (Delta Block's partial block, recomputed from two tensors that are saved
-anyway instead of being saved itself) and a null source (an all-zero source: logit 0, value 0, never stored).
-
 Everything accumulates in fp32; d need not be a power of two. Sources may be fp32, bf16 or fp16, and may mix
 two of these (under autocast the embedding is fp32 and the sublayer outputs bf16): the launcher orders the
 address table by dtype and the kernels run one loop per dtype, so no loop branches per source. The read-out
@@ -23,7 +19,8 @@ Made for memory bandwidth on a GPU (tests/test_gpu_ready.py checks the compiled 
 sources come through aligned address tables (kernels/launch.py) as 128-bit loads; the loops over sources are
 software-pipelined (tl.range(num_stages=...)), so the next source's tile is in flight while the current one is
 reduced; rows per program and warps are chosen per width (`_config`) so that nothing spills at the paper's
-widths. The jit helpers here are shared with the grouped kernels (kernels/group_read.py, kernels/receiver_read.py).
+widths. The jit helpers are kernels/tiles.py's, shared with the model's grouped kernels (group_read.py,
+receiver_read.py).
 """
 from __future__ import annotations
 
@@ -32,76 +29,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import DTYPES, SourceTable, _aligned, _interpreting, _launch, register_budget, source_table
+from kernels.launch import SourceTable, aligned, interpreting, launch, register_budget, source_table
+from kernels.tiles import folded_query, logit, read_table, source_grad, table_source
 
 # -------------------------------------------------------------------------------------------- kernels
 
-@triton.jit
-def _table_source(table, i, DTYPE: tl.constexpr, offs, mask):
-    """Source i of the address table as an fp32 (BLOCK_M, BLOCK_D) tile."""
-    ptr = tl.multiple_of(tl.load(table + i).to(tl.pointer_type(DTYPE)), 16)   # aligned by the launcher
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _folded_query(q_ptr, g_ptr, cols, d):
-    """u = query * norm_weight in fp32, (BLOCK_D,)."""
-    q = tl.load(q_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    return q * tl.load(g_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _diff_source(h_ptr, base_ptr, offs, mask):
-    """The difference source h - base as an fp32 tile."""
-    return (tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-
-
-@triton.jit
-def _logit(s, u, d, eps):
-    """z = rstd(s) (s . u) per row, and rstd: (BLOCK_M,) each."""
-    rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
-    return tl.sum(s * u[None, :], axis=1) * rstd, rstd
-
-
-@triton.jit
-def _softmax_step(m, l, acc, s, z):
-    """Online softmax: fold one source (tile s, logits z) into the running max m, normaliser l and sum acc."""
-    m_new = tl.maximum(m, z)
-    alpha = tl.exp(m - m_new)             # rescales what was accumulated under the old max
-    p = tl.exp(z - m_new)
-    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * s
-
-
-@triton.jit
-def _read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc,
-                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, STAGES: tl.constexpr):
-    """Fold every source of an address table (n_a of A_DTYPE, then n_b of B_DTYPE: one pipelined loop per
-    dtype) into the online-softmax state (m, l, acc) of the rows at offs."""
-    for i in tl.range(0, n_a, num_stages=STAGES):
-        s = _table_source(table, i, A_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = _table_source(table, i, B_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    return m, l, acc
-
-
-@triton.jit
-def _source_grad(s, go, u, lse, D, d, eps):
-    """Gradient of one source given dL/dr = go: a = exp(z - lse), dz = a (go . s - D),
-    ds = a go + dz rstd (u - z rstd s / d). Returns ds and dz rstd (the query gradient's weight for s)."""
-    z, rstd = _logit(s, u, d, eps)
-    a = tl.exp(z - lse)
-    dz_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
-    ds = a[:, None] * go + dz_rstd[:, None] * (u[None, :] - (z * rstd / d)[:, None] * s)
-    return ds, dz_rstd
-
-
 @triton.jit(do_not_specialize=["n_a", "n_b"])   # one compiled kernel for any number of sources
-def _route_fwd(table, n_a, n_b, h_ptr, base_ptr, q_ptr, g_ptr, out_ptr, lse_ptr, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, HAS_DIFF: tl.constexpr, HAS_NULL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+def _route_fwd(table, n_a, n_b, q_ptr, g_ptr, out_ptr, lse_ptr, M, d, eps,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               STAGES: tl.constexpr):
     """table: n_a addresses of A_DTYPE sources, then n_b of B_DTYPE; q, g: the query and norm weight.
     Writes r (M, d) and lse (M,)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,33 +45,23 @@ def _route_fwd(table, n_a, n_b, h_ptr, base_ptr, q_ptr, g_ptr, out_ptr, lse_ptr,
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]                  # (BLOCK_M, BLOCK_D)
-    u = _folded_query(q_ptr, g_ptr, cols, d)                                # (BLOCK_D,) fp32
+    u = folded_query(q_ptr, g_ptr, cols, d)                                # (BLOCK_D,) fp32
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
     l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(z - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(z - m) s
-    m, l, acc = _read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
-    if HAS_DIFF:
-        s = _diff_source(h_ptr, base_ptr, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _logit(s, u, d, eps)[0])
-    if HAS_NULL:                          # logit 0, value 0: only the normaliser changes
-        m_new = tl.maximum(m, 0.0)
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.exp(-m_new)
-        acc = acc * alpha[:, None]
-        m = m_new
+    m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     out = acc / l[:, None]
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b"])  # slab is a multiple of 16 elements: aligned gradient stores
-def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, h_ptr, base_ptr, dpart_ptr, q_ptr, g_ptr, go_ptr,
-               lse_ptr, D_ptr, du_ptr, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, HAS_DIFF: tl.constexpr, HAS_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, q_ptr, g_ptr, go_ptr, lse_ptr, du_ptr, M, d, eps,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               STAGES: tl.constexpr):
     """table: the source addresses as in the forward. Writes the gradient of table entry i < n_a at
-    grad_a_ptr + i slab and of entry n_a + j at grad_b_ptr + j slab, the difference source's at dpart_ptr,
-    and this program's partial sum of dL/du (row program_id of du_ptr)."""
+    grad_a_ptr + i slab and of entry n_a + j at grad_b_ptr + j slab, and this program's partial sum of dL/du
+    (row program_id of du_ptr)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -143,55 +69,38 @@ def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, h_ptr, base_ptr, d
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
     n = n_a + n_b
-    u = _folded_query(q_ptr, g_ptr, cols, d)
+    u = folded_query(q_ptr, g_ptr, cols, d)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)       # (BLOCK_M, BLOCK_D) dL/dr
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term (the null source adds 0);
-    # skipped when the caller has r at hand and passes D
-    if HAS_D:
-        D = tl.load(D_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        D = tl.zeros((BLOCK_M,), tl.float32)
-        for i in tl.range(0, n_a, num_stages=STAGES):
-            s = _table_source(table, i, A_DTYPE, offs, mask)
-            D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
-        for i in tl.range(n_a, n, num_stages=STAGES):
-            s = _table_source(table, i, B_DTYPE, offs, mask)
-            D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
-        if HAS_DIFF:
-            s = _diff_source(h_ptr, base_ptr, offs, mask)
-            D += tl.exp(_logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+    # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term
+    D = tl.zeros((BLOCK_M,), tl.float32)
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = table_source(table, i, A_DTYPE, offs, mask)
+        D += tl.exp(logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+    for i in tl.range(n_a, n, num_stages=STAGES):
+        s = table_source(table, i, B_DTYPE, offs, mask)
+        D += tl.exp(logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
     # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of dz rstd s
     du = tl.zeros((BLOCK_D,), tl.float32)
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = _table_source(table, i, A_DTYPE, offs, mask)
-        ds, dz_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        s = table_source(table, i, A_DTYPE, offs, mask)
+        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
         du += tl.sum(dz_rstd[:, None] * s, axis=0)
         tl.store(grad_a_ptr + i * slab + offs, ds.to(A_DTYPE), mask=mask)
     for i in tl.range(n_a, n, num_stages=STAGES):
-        s = _table_source(table, i, B_DTYPE, offs, mask)
-        ds, dz_rstd = _source_grad(s, go, u, lse, D, d, eps)
+        s = table_source(table, i, B_DTYPE, offs, mask)
+        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
         du += tl.sum(dz_rstd[:, None] * s, axis=0)
         tl.store(grad_b_ptr + (i - n_a) * slab + offs, ds.to(B_DTYPE), mask=mask)
-    if HAS_DIFF:
-        s = _diff_source(h_ptr, base_ptr, offs, mask)
-        ds, dz_rstd = _source_grad(s, go, u, lse, D, d, eps)
-        du += tl.sum(dz_rstd[:, None] * s, axis=0)
-        tl.store(dpart_ptr + offs, ds.to(dpart_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + pid * BLOCK_D + cols, du)                            # one partial sum per program
 
 
 # ------------------------------------------------------------------------------------------ launching
 
-def _check(table: SourceTable, query: Tensor, norm_weight: Tensor, diff: tuple[Tensor, Tensor] | None) -> None:
-    first = table.tensors[0]
-    d = first.shape[-1]
+def _check(table: SourceTable, query: Tensor, norm_weight: Tensor) -> None:
+    d = table.tensors[0].shape[-1]
     if query.shape != (d,) or norm_weight.shape != (d,):
         raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
-    for name, t in zip(("diff[0]", "diff[1]"), diff or ()):
-        if t.shape != first.shape or t.device != first.device or t.dtype not in DTYPES:
-            raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; it must be "
-                             f"{tuple(first.shape)} on {first.device}, of dtype {', '.join(map(str, DTYPES))}")
 
 
 PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/tools/aot.py checks registers against
@@ -205,17 +114,12 @@ def _config(M: int, d: int, backward: bool = False) -> dict:
     The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
     programs are faster."""
     block_d = triton.next_power_of_2(d)
-    if _interpreting():
+    if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
     warps = 4 if block_d <= 1024 else 8
     block_m = max(1, min(16, 16 * 32 * warps // block_d))
     return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward else 3, num_warps=warps,
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM["_route_bwd" if backward else "_route_fwd"]))
-
-
-def _diff(diff: tuple[Tensor, Tensor] | None, first: Tensor) -> tuple[Tensor, Tensor]:
-    """h, base of the difference source (aligned), or placeholders the kernel never reads."""
-    return (_aligned(diff[0]), _aligned(diff[1])) if diff is not None else (first, first)
 
 
 def _slabs(tensors: list[Tensor]) -> tuple[Tensor, int, list[Tensor]]:
@@ -229,53 +133,40 @@ def _slabs(tensors: list[Tensor]) -> tuple[Tensor, int, list[Tensor]]:
 
 
 def route_forward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: float,
-                  diff: tuple[Tensor, Tensor] | None = None, null: bool = False,
                   out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """r (B, T, d) in out_dtype (default: the dtype of the caller's sources[0]) and the softmax's log-sum-exp
-    (B*T,) fp32. The candidates are the table's sources, then diff[0] - diff[1] if given, then a zero source
-    if `null`."""
-    _check(table, query, norm_weight, diff)
+    (B*T,) fp32, over the table's sources."""
+    _check(table, query, norm_weight)
     first = table.tensors[0]
     dev, M, d = first.device, first.numel() // first.shape[-1], first.shape[-1]
-    h, base = _diff(diff, first)
     out = torch.empty_like(first, dtype=out_dtype or first.dtype)
     lse = torch.empty(M, dtype=torch.float32, device=dev)
     cfg = _config(M, d)
-    reads = [(table, 1)] + ([(h, 1), (base, 1)] if diff is not None else [])
-    _launch(_route_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads + [(query, 1), (norm_weight, 1)], [out, lse], dev,
-            table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, h_ptr=h, base_ptr=base,
-            q_ptr=query, g_ptr=norm_weight, out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps,
-            A_DTYPE=table.dtype(0), B_DTYPE=table.dtype(1), HAS_DIFF=diff is not None, HAS_NULL=null, **cfg)
+    launch(_route_fwd, triton.cdiv(M, cfg["BLOCK_M"]), [(table, 1), (query, 1), (norm_weight, 1)], [out, lse], dev,
+           table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=query, g_ptr=norm_weight,
+           out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
     return out, lse
 
 
 def route_backward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: float, grad_out: Tensor,
-                   lse: Tensor, diff: tuple[Tensor, Tensor] | None = None, D: Tensor | None = None
-                   ) -> tuple[list[Tensor], Tensor | None, Tensor]:
-    """Gradients of the sources (in the caller's order, each in its dtype), of the difference source (None
-    without one) and of u = query * norm_weight (fp32 (d,)). The null source has no gradient; its weight is
-    in lse. D (B*T,) fp32, if given, is grad_out . r per token: one read of the sources fewer."""
-    _check(table, query, norm_weight, diff)
+                   lse: Tensor) -> tuple[list[Tensor], Tensor]:
+    """Gradients of the sources (in the caller's order, each in its dtype) and of u = query * norm_weight
+    (fp32 (d,))."""
+    _check(table, query, norm_weight)
     first = table.tensors[0]
     dev, M, d = first.device, first.numel() // first.shape[-1], first.shape[-1]
     n_a = table.n_a
     grad_a, slab, grads = _slabs(table.tensors[:n_a])
     grad_b, _, grads_b = _slabs(table.tensors[n_a:]) if n_a < len(table.tensors) else (grad_a, 0, [])
-    h, base = _diff(diff, first)
-    dpart = torch.empty_like(h) if diff is not None else first
-    go = _aligned(grad_out)
+    go = aligned(grad_out)
     cfg = _config(M, d, backward=True)
     grid = triton.cdiv(M, cfg["BLOCK_M"])
     du = torch.empty(grid, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
-    passes = 1 if D is not None else 2
-    reads = [(table, passes), (go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
-    reads += ([(D, 1)] if D is not None else []) + ([(h, passes), (base, passes)] if diff is not None else [])
-    _launch(_route_bwd, grid, reads, grads + grads_b + [du] + ([dpart] if diff is not None else []), dev,
-            table=table.addresses, n_a=n_a, n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b,
-            slab=slab, h_ptr=h, base_ptr=base, dpart_ptr=dpart, q_ptr=query, g_ptr=norm_weight, go_ptr=go,
-            lse_ptr=lse, D_ptr=lse if D is None else D.contiguous(), du_ptr=du, M=M, d=d, eps=eps,
-            A_DTYPE=table.dtype(0), B_DTYPE=table.dtype(1), HAS_DIFF=diff is not None, HAS_D=D is not None, **cfg)
-    return table.in_caller_order(grads + grads_b), (dpart if diff is not None else None), du.sum(0)[:d]
+    reads = [(table, 2), (go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
+    launch(_route_bwd, grid, reads, grads + grads_b + [du], dev, table=table.addresses, n_a=n_a,
+           n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b, slab=slab, q_ptr=query,
+           g_ptr=norm_weight, go_ptr=go, lse_ptr=lse, du_ptr=du, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
+    return table.in_caller_order(grads + grads_b), du.sum(0)[:d]
 
 
 # ---------------------------------------------------------------------------------------- autograd + public
@@ -294,7 +185,7 @@ class DepthRoute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         query, norm_weight, lse, *_ = ctx.saved_tensors
-        grads, _, du = route_backward(ctx.table, query, norm_weight, ctx.eps, grad_out, lse)
+        grads, du = route_backward(ctx.table, query, norm_weight, ctx.eps, grad_out, lse)
         # z = rstd * sum_k s_k w_k g_k: dL/dw = du * g, dL/dg = du * w
         return ((du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype), None,
                 *grads)

@@ -1,9 +1,10 @@
 """Grouped depth routing: each committed source read once per group of receivers, not once per receiver.
 
-A group is a run of consecutive receiving sublayers (a Delta Block / AttnRes block, or about six sublayers of
-fine-grained Delta AttnRes) that share the sources C committed before it began; each receiver l of the group
-also reads a few sources I_l of its own (the outputs committed since the group began, the partial block
-h - base, a null source). With z_i = rstd_i (s_i . u_l), Eq. 1 over C and I_l splits exactly:
+A group is a run of consecutive receiving sublayers (a Delta Block / AttnRes block, or fine-grained Delta
+AttnRes's grouped_state.fine_group_size sublayers, 5 at 36 layers) that share the sources C committed before it
+began; each receiver l of the group also reads a few sources I_l of its own (the outputs committed since the
+group began, the partial block h - base, a null source). With z_i = rstd_i (s_i . u_l), Eq. 1 over C and I_l
+splits exactly:
 
     lse_C = log sum_{i in C} exp(z_i)        r_C = sum_{i in C} exp(z_i - lse_C) s_i         (phase 1, per group)
     lse   = log(exp(lse_C) + sum_{i in I} exp(z_i))
@@ -31,17 +32,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.depth_route import _softmax_step, _table_source
-from kernels.launch import SourceTable, _interpreting, _launch, register_budget, wave
+from kernels.launch import SourceTable, interpreting, launch, register_budget, wave
+from kernels.tiles import accumulate_grad, softmax_step, table_source
 
 # ------------------------------------------------------------------------------------------------ kernels
-
-@triton.jit
-def _accumulate(ptr, ds, offs, mask, accumulate):
-    """Write ds into a gradient accumulator (accumulate == 0), or add it to what is there."""
-    ds += tl.load(ptr + offs, mask=mask & (accumulate != 0), other=0.0).to(tl.float32)
-    tl.store(ptr + offs, ds.to(ptr.dtype.element_ty), mask=mask)
-
 
 @triton.jit
 def _receiver_logits(U, s, d, eps):
@@ -90,11 +84,11 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
     l = tl.zeros((R_BLOCK,), tl.float32)
     acc = tl.zeros((R_BLOCK, BLOCK_D), tl.float32)                         # one running sum per receiver
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = _table_source(table, i, A_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
+        s = table_source(table, i, A_DTYPE, offs, mask)
+        m, l, acc = softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
     for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = _table_source(table, i, B_DTYPE, offs, mask)
-        m, l, acc = _softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
+        s = table_source(table, i, B_DTYPE, offs, mask)
+        m, l, acc = softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
     smask = recv_ok[:, None] & mask
     tl.store(state_ptr + recv[:, None].to(tl.int64) * slab + offs, (acc / l[:, None]).to(state_ptr.dtype.element_ty),
              mask=smask)
@@ -125,15 +119,15 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
             D = tl.load(D_ptr + recv.to(tl.int64) * M + row, mask=recv_ok, other=0.0)
             lse = tl.load(lse_ptr + recv.to(tl.int64) * M + row, mask=recv_ok, other=float("inf"))
             for i in tl.range(0, n_a, num_stages=STAGES):
-                s = _table_source(table, i, A_DTYPE, offs, mask)
+                s = table_source(table, i, A_DTYPE, offs, mask)
                 ds, du_i = _committed_grad(s, U, go, D, lse, d, eps)
                 du += du_i
-                _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = _table_source(table, i, B_DTYPE, offs, mask)
+                s = table_source(table, i, B_DTYPE, offs, mask)
                 ds, du_i = _committed_grad(s, U, go, D, lse, d, eps)
                 du += du_i
-                _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
     tl.store(du_ptr + pid.to(tl.int64) * R_BLOCK * BLOCK_D + tl.arange(0, R_BLOCK)[:, None] * BLOCK_D + cols[None, :],
              du)
 
@@ -150,7 +144,7 @@ def _group_config(d: int, backward: bool) -> dict:
     """Phase 1 keeps R_BLOCK receivers' rows (running sums; backward: go, folded queries and du) of one token
     row in registers; more receivers than R_BLOCK read the sources again (forward) or in further launches."""
     block_d = triton.next_power_of_2(d)
-    if _interpreting():
+    if interpreting():
         return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4)
     if backward:
         return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=2, num_warps=8,
@@ -164,9 +158,6 @@ def receivers_per_pass(d: int) -> int:
     return _group_config(d, backward=True)["R_BLOCK"]
 
 
-def _dtypes(table: SourceTable) -> dict:
-    return dict(A_DTYPE=table.dtype(0), B_DTYPE=table.dtype(1))
-
 
 def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, state: Tensor,
                   lse_c: Tensor) -> None:
@@ -177,11 +168,11 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     for r0 in range(0, n_recv, block):        # receivers beyond R_BLOCK: the sources are read again
         chunk = min(block, n_recv - r0)
-        _launch(_group_fwd, M, [(table, 1), (queries[r0:r0 + chunk], 1),
+        launch(_group_fwd, M, [(table, 1), (queries[r0:r0 + chunk], 1),
                 (norm_weights[r0:r0 + chunk], 1)], [state[r0:r0 + chunk, :first.numel()], lse_c[r0:r0 + chunk]],
                 first.device, table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a,
                 q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv, state_ptr=state, lse_c_ptr=lse_c,
-                slab=state.shape[1], M=M, d=d, eps=eps, **_dtypes(table), **cfg)
+                slab=state.shape[1], M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
 
 
 def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, go: Tensor, D: Tensor,
@@ -201,9 +192,9 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     for c, r0 in enumerate(range(0, n_recv, block)):
         chunk = min(block, n_recv - r0)
         reads = [(table, 1), (go[r0:r0 + chunk, :first.numel()], 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]
-        _launch(_group_bwd, programs, reads + [(g, 1) for g in grads if accumulate or c], grads + [du[c]],
+        launch(_group_bwd, programs, reads + [(g, 1) for g in grads if accumulate or c], grads + [du[c]],
                 first.device, table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0,
                 n_recv=n_recv, go_ptr=go, D_ptr=D, lse_ptr=lse, slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b,
                 off_a=off_a, off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps,
-                accumulate=int(accumulate or c > 0), **_dtypes(table), **cfg)
+                accumulate=int(accumulate or c > 0), **table.dtype_args(), **cfg)
     return du.sum(1).flatten(0, 1)[:n_recv, :d]

@@ -28,8 +28,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernels.group_read import group_backward, group_forward, receivers_per_pass
-from kernels.launch import SourceTable, _aligned, slot_view, slots, source_table
-from kernels.receiver_read import learned_null_grads, receiver_backward, receiver_forward
+from kernels.launch import SourceTable, aligned, slot_view, slots, source_table
+from kernels.receiver_read import Read, ReadGrads, learned_null_grads, receiver_backward, receiver_forward
 from router import DepthState, Policy, Router
 
 
@@ -134,6 +134,31 @@ class Group:
             if self.dbase_slots:
                 self.dbase = slots(n, like, self.state_dtype)
 
+    # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its
+    # go, D and partial-block gradient here, and GroupRead's backward takes them.
+
+    def receiver_grads(self, spec: Receiver, h: Tensor, base: Tensor | None,
+                       accumulators: tuple[Tensor, Tensor, int, int]) -> ReadGrads:
+        """Where receiver `spec`'s backward writes: its go and D slots; -dL/d(partial) into its slot of the
+        group's dbase when its base is the group's (else a tensor of its own, returned by its node); for the
+        group's first receiver, whose h~ is that base, the other receivers' slots to add to its dh."""
+        self.backward_buffers(h)
+        dbase = None
+        if base is not None:
+            dbase = slot_view(self.dbase, spec.slot, h) if spec.base_to_group else torch.empty_like(base)
+        dsum = None
+        if spec.sums_group and self.dbase_slots:
+            lo, hi = min(self.dbase_slots), max(self.dbase_slots) + 1
+            if hi - lo == len(self.dbase_slots):
+                dsum, self.dbase_summed = (self.dbase, lo, hi), True
+        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dsum)
+
+    def base_grad(self, like: Tensor) -> Tensor | None:
+        """The group base's gradient from its receivers' partials, unless the first receiver already added it."""
+        if not self.dbase_slots or self.dbase_summed:
+            return None
+        return self.dbase[self.dbase_slots, :like.numel()].sum(0).view(like.shape).to(self.base.dtype)
+
     def release(self) -> None:
         """After the group's backward, the last to use them: its sources and buffers go."""
         self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = None
@@ -185,11 +210,8 @@ class GroupRead(torch.autograd.Function):
         du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
                             bank.pointers(group.table, 0), accumulate=not group.last)
         dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
-        dbase = None
-        if group.dbase_slots and not group.dbase_summed:
-            dbase = group.dbase[group.dbase_slots, :like.numel()].sum(0).view(like.shape).to(group.base.dtype)
         params = [g for pair in zip(dq.unbind(0), dg.unbind(0)) for g in pair]
-        grads = (None, None, None, dbase, *[bank.grad(k) for k in ctx.owned], *params)
+        grads = (None, None, None, group.base_grad(like), *[bank.grad(k) for k in ctx.owned], *params)
         group.release()
         return grads
 
@@ -212,6 +234,14 @@ class Receiver:
     r_dtype: torch.dtype              # the read-out's dtype (the reference's: sources[0]'s)
     x_dtype: torch.dtype
 
+    def read(self, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor, norm_weight: Tensor,
+             gate: Tensor | None, weight: Tensor, null: Tensor | None) -> Read:
+        """The kernels' view of this read, from the node's tensors."""
+        group = self.group
+        return Read(self.table, state, group.lse_c, group.lse, self.slot, h, base, query, norm_weight, gate, weight,
+                    self.null if null is None else null, self.eps, self.norm_eps, self.add, self.r_dtype,
+                    self.x_dtype)
+
 
 class ReceiverRead(torch.autograd.Function):
     """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_weight(h~ + gate r) or RMSNorm_weight(r)."""
@@ -220,11 +250,8 @@ class ReceiverRead(torch.autograd.Function):
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor,
                 norm_weight: Tensor, gate: Tensor | None, weight: Tensor, null: Tensor | None,
                 *owned: Tensor) -> Tensor:
-        group = spec.group
-        y_dtype = torch.promote_types(weight.dtype, spec.x_dtype)
-        y = receiver_forward(spec.table, state, group.lse_c, spec.slot, group.lse, h, base, query, norm_weight,
-                             gate, weight, spec.eps, spec.norm_eps, null if null is not None else spec.null,
-                             spec.add, spec.r_dtype, spec.x_dtype, y_dtype)
+        y = receiver_forward(spec.read(h, base, state, query, norm_weight, gate, weight, null),
+                             torch.promote_types(weight.dtype, spec.x_dtype))
         ctx.save_for_backward(h, base, state, query, norm_weight, gate, weight, null)
         ctx.spec, ctx.bank = spec, bank
         return y
@@ -234,33 +261,18 @@ class ReceiverRead(torch.autograd.Function):
         h, base, state, query, norm_weight, gate, weight, null = ctx.saved_tensors
         spec, bank = _take(ctx, "spec", "bank")
         group = spec.group
-        group.backward_buffers(h)
-        if base is None:
-            dbase = None
-        elif spec.base_to_group:
-            dbase = slot_view(group.dbase, spec.slot, h)
-        else:
-            dbase = torch.empty_like(base)
-        dsum = None
-        if spec.sums_group and group.dbase_slots:
-            lo, hi = min(group.dbase_slots), max(group.dbase_slots) + 1
-            if hi - lo == len(group.dbase_slots):
-                dsum, group.dbase_summed = (group.dbase, lo, hi), True
-        out = receiver_backward(spec.table, state, group.lse_c, spec.slot, group.lse, h, base, query,
-                                norm_weight, gate, weight, spec.eps, spec.norm_eps, spec.add, spec.r_dtype,
-                                spec.x_dtype, _aligned(dy), bank.pointers(spec.table, spec.first), spec.accumulate,
-                                group.go, group.D, dbase, dsum, null if null is not None else spec.null)
+        grads = group.receiver_grads(spec, h, base, bank.pointers(spec.table, spec.first))
+        out = receiver_backward(spec.read(h, base, state, query, norm_weight, gate, weight, null), aligned(dy), grads)
         du, dnull = out["du"], None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
-            M = h.numel() // h.shape[-1]
             dnull, du_null = learned_null_grads(null, query, norm_weight, spec.eps,
-                                                slot_view(group.go, spec.slot, h).view(M, -1), group.D[spec.slot],
-                                                group.lse[spec.slot])
+                                                slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1),
+                                                group.D[spec.slot], group.lse[spec.slot])
             du, dnull = du + du_null, dnull.to(null.dtype)
         dquery, dnorm = (du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype)
-        return (None, None, out["dh"], None if spec.base_to_group else dbase, None, dquery, dnorm,
-                None if gate is None else out["dgate"].to(gate.dtype).view(gate.shape), out["dweight"].to(weight.dtype),
-                dnull, *[bank.grad(k) for k in spec.owned])
+        dgate = None if gate is None else out["dgate"].to(gate.dtype).view(gate.shape)
+        return (None, None, out["dh"], None if spec.base_to_group else grads.dbase, None, dquery, dnorm, dgate,
+                out["dweight"].to(weight.dtype), dnull, *[bank.grad(k) for k in spec.owned])
 
 
 class GroupedDepthState(DepthState):

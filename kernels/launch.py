@@ -4,7 +4,7 @@
   alignment. `source_table` makes every source contiguous and 16-byte aligned (copying the rare view that is
   not) and uploads the addresses in one copy; the kernels say so with tl.multiple_of, which turns their source
   loads into 128-bit loads. Host work is O(N) per table, and a forward read's table serves its backward.
-- Every launch goes through `_launch`, which hands a description of it (kernel, arguments, what it reads and
+- Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and
   writes) to observers first: kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the
   specialisations the model launches, and kernels/tools/bench.py times the host path without launching. It runs
   the kernel on the tensors' device.
@@ -57,16 +57,16 @@ def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
         _observers.remove(observer)
 
 
-def _launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor | SourceTable, int]], writes: list[Tensor],
+def launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor | SourceTable, int]], writes: list[Tensor],
             device: torch.device, **args) -> None:
     if _observers:
-        launch = Launch(kernel, grid, args, reads, writes)
-        if any([observer(launch) for observer in _observers]):
+        seen = Launch(kernel, grid, args, reads, writes)
+        if any([observer(seen) for observer in _observers]):
             return
     if device.type == "cuda":
         with torch.cuda.device(device):   # Triton launches on the current device, not the tensors'
             kernel[(grid,)](**args)
-    elif device.type == "cpu" and not _interpreting():
+    elif device.type == "cpu" and not interpreting():
         raise RuntimeError("the Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before importing triton "
                            "to run them on CPU, or use kernel='reference'")
     else:
@@ -79,7 +79,7 @@ def _probe():
 
 
 @functools.cache
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported): decided
     once, as Triton decides it, though every launcher's configuration asks."""
     return isinstance(_probe, InterpretedFunction)
@@ -102,11 +102,11 @@ def _call_helper(self: InterpretedFunction, *args, **kwargs):
         raise InterpreterError(repr(e)) from e
 
 
-if _interpreting():
+if interpreting():
     InterpretedFunction.__call__ = _call_helper
 
 
-def _aligned(t: Tensor) -> Tensor:
+def aligned(t: Tensor) -> Tensor:
     """t itself if it is contiguous and 16-byte aligned, else a contiguous copy (a fresh allocation is)."""
     if t.is_contiguous() and t.data_ptr() % ALIGN == 0:
         return t
@@ -125,6 +125,10 @@ class SourceTable:
 
     def dtype(self, group: int) -> tl.dtype:
         return DTYPES[self.tensors[0 if group == 0 else -1].dtype]
+
+    def dtype_args(self) -> dict:
+        """The kernels' A_DTYPE and B_DTYPE: the dtypes of the table's two runs of sources."""
+        return dict(A_DTYPE=self.dtype(0), B_DTYPE=self.dtype(1))
 
     def in_caller_order(self, values: list) -> list:
         out = [None] * len(values)
@@ -158,7 +162,7 @@ def source_table(sources: list[Tensor]) -> SourceTable:
             raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
                              f"got {dtype} (the reference router.depth_route takes any float dtype)")
     order = a + b
-    tensors = [_aligned(sources[i]) for i in order]
+    tensors = [aligned(sources[i]) for i in order]
     addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
     return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
 
@@ -187,7 +191,7 @@ def slot_view(buffer: Tensor, i: int, like: Tensor) -> Tensor:
 def wave(n_tiles: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
     """(programs, tiles per program) for a kernel over n_tiles row tiles that sums partial results per
     program: one wave of programs (the SMs times the kernel's programs per SM), so the partial sums stay few."""
-    if _interpreting():
+    if interpreting():
         return n_tiles, 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
     tiles = triton.cdiv(n_tiles, sms * programs_per_sm)

@@ -10,14 +10,15 @@ its sublayer's pre-norm in the same kernel.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.depth_route import _folded_query, _logit, _read_table, _softmax_step, _source_grad, _table_source
-from kernels.group_read import _accumulate, _dtypes
-from kernels.launch import DTYPES, SourceTable, _interpreting, _launch, register_budget, slab_of, slot_view, wave
+from kernels.launch import DTYPES, SourceTable, interpreting, launch, register_budget, slab_of, slot_view, wave
+from kernels.tiles import accumulate_grad, folded_query, logit, read_table, softmax_step, source_grad, table_source
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -73,19 +74,19 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-    u = _folded_query(q_ptr, g_ptr, cols, d)
+    u = folded_query(q_ptr, g_ptr, cols, d)
     m, l, acc = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                              BLOCK_D)
-    m, l, acc = _read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
+    m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if ADD or HAS_DIFF:
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DIFF:                          # the partial block h - base
         p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m, l, acc = _softmax_step(m, l, acc, p, _logit(p, u, d, eps)[0])
+        m, l, acc = softmax_step(m, l, acc, p, logit(p, u, d, eps)[0])
     if NULL != 0:                         # the null source: 0 (none), 1 (zero), 2 (learned, at null_ptr)
         n, z_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
-        m, l, acc = _softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
+        m, l, acc = softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
@@ -111,7 +112,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     partial sums of du, dw (norm weight) and dgate."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    u = _folded_query(q_ptr, g_ptr, cols, d)
+    u = folded_query(q_ptr, g_ptr, cols, d)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
     if NULL == 2:                         # the learned null's vector and logit
@@ -131,18 +132,18 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                                BLOCK_D)
         r = r * tl.exp(m - lse)[:, None]
         for i in tl.range(0, n_a, num_stages=STAGES):
-            s = _table_source(table, i, A_DTYPE, offs, mask)
-            r += tl.exp(_logit(s, u, d, eps)[0] - lse)[:, None] * s
+            s = table_source(table, i, A_DTYPE, offs, mask)
+            r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
         for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = _table_source(table, i, B_DTYPE, offs, mask)
-            r += tl.exp(_logit(s, u, d, eps)[0] - lse)[:, None] * s
+            s = table_source(table, i, B_DTYPE, offs, mask)
+            r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
         h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if ADD or HAS_DIFF:
             h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DIFF:
             p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            r += tl.exp(_logit(p, u, d, eps)[0] - lse)[:, None] * p
+            r += tl.exp(logit(p, u, d, eps)[0] - lse)[:, None] * p
         if NULL == 2:
             r += tl.exp(z_n - lse)[:, None] * n[None, :]
         r_mixed = r.to(R_DTYPE).to(tl.float32)
@@ -165,7 +166,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             dr = dr.to(go_ptr.dtype.element_ty).to(tl.float32)   # softmax backward's go . s_i - D is consistent
         D = tl.sum(dr * r, axis=1)
         if HAS_DIFF:                      # d(h - base): + to h, - to base
-            dp, dz_rstd = _source_grad(p, dr, u, lse, D, d, eps)
+            dp, dz_rstd = source_grad(p, dr, u, lse, D, d, eps)
             du += tl.sum(dz_rstd[:, None] * p, axis=0)
             dh += dp
             tl.store(dbase_ptr + offs, (-dp).to(dbase_ptr.dtype.element_ty), mask=mask)
@@ -175,15 +176,15 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             tl.store(go_ptr + slot.to(tl.int64) * slab + offs, dr.to(go_ptr.dtype.element_ty), mask=mask)
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
         for i in tl.range(0, n_a, num_stages=STAGES):
-            s = _table_source(table, i, A_DTYPE, offs, mask)
-            ds, dz_rstd = _source_grad(s, dr, u, lse, D, d, eps)
+            s = table_source(table, i, A_DTYPE, offs, mask)
+            ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
             du += tl.sum(dz_rstd[:, None] * s, axis=0)
-            _accumulate(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
+            accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
         for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = _table_source(table, i, B_DTYPE, offs, mask)
-            ds, dz_rstd = _source_grad(s, dr, u, lse, D, d, eps)
+            s = table_source(table, i, B_DTYPE, offs, mask)
+            ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
             du += tl.sum(dz_rstd[:, None] * s, axis=0)
-            _accumulate(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
+            accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
         if SUMS:                          # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
             dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -209,7 +210,7 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
     forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
     loops pipelined (the forward's three stages deep below d = 4096, else two)."""
     block_d = triton.next_power_of_2(d)
-    if _interpreting():
+    if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
     wide = block_d > 2048
     warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
@@ -248,80 +249,109 @@ def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
     if table is None:
         return dict(table=torch.empty(1, dtype=torch.int64, device=first.device), n_a=0, n_b=0,
                     A_DTYPE=DTYPES[first.dtype], B_DTYPE=DTYPES[first.dtype])
-    return dict(table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, **_dtypes(table))
+    return dict(table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, **table.dtype_args())
 
 
-def _read_args(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor, h: Tensor,
-               base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None, weight: Tensor,
-               eps: float, norm_eps: float, null: Tensor | bool, add: bool, r_dtype: torch.dtype,
-               x_dtype: torch.dtype) -> dict:
-    """The arguments the forward and backward kernels share: the read (table, state, partial block, null
-    source, query) and the pre-norm; an absent tensor is replaced by a placeholder its flag keeps unread."""
-    return dict(**_receiver_args(table, h), state_ptr=state if state is not None else h, lse_c_ptr=lse_c,
-                slot=slot, slab=slab_of(h), h_ptr=h, base_ptr=base if base is not None else h, q_ptr=query,
-                g_ptr=norm_weight, gate_ptr=gate if gate is not None else weight, has_gate=int(gate is not None),
-                w_ptr=weight, lse_ptr=lse, **_null_args(null, weight), M=h.numel() // h.shape[-1],
-                d=h.shape[-1], eps=eps, norm_eps=norm_eps, R_DTYPE=DTYPES[r_dtype], X_DTYPE=DTYPES[x_dtype],
-                HAS_STATE=state is not None, HAS_DIFF=base is not None, ADD=add)
+@dataclass
+class Read:
+    """One receiver's read, as both of its kernels take it. Shapes: h, base (B, T, d), M = B T rows; the
+    group's buffers hold one slot (row) per receiver of the group, R in all."""
+    table: SourceTable | None         # the receiver's own sources (committed since its group began), or none
+    state: Tensor | None              # (R, slab) phase 1's r_C, or None (no committed sources)
+    lse_c: Tensor                     # (R, M) phase 1's log-sum-exp
+    lse: Tensor                       # (R, M) the full log-sum-exp: written forward, read backward
+    slot: int                         # this receiver's row of state, lse_c and lse
+    h: Tensor                         # the stream h~ (and the partial block's minuend)
+    base: Tensor | None               # the partial block h~ - base's base, or None
+    query: Tensor                     # (d,) w_l
+    norm_weight: Tensor               # (d,) g_l
+    gate: Tensor | None               # (1,) gamma_l, or None
+    weight: Tensor                    # (d,) the sublayer's pre-norm weight
+    null: Tensor | bool               # the null source: a learned (d,) vector, zero (True) or none (False)
+    eps: float                        # the routing keys' RMSNorm eps
+    norm_eps: float                   # the pre-norm's eps
+    add: bool                         # additive (x = h + gate r) or replacement (x = r)
+    r_dtype: torch.dtype              # r and x are rounded where the reference rounds them
+    x_dtype: torch.dtype
+
+    @property
+    def M(self) -> int:
+        return self.h.numel() // self.h.shape[-1]
+
+    def kernel_args(self) -> dict:
+        """The arguments the forward and backward kernels share: the read (table, state, partial block, null
+        source, query) and the pre-norm; an absent tensor is replaced by a placeholder its flag keeps unread."""
+        h, weight = self.h, self.weight
+        return dict(**_receiver_args(self.table, h), state_ptr=h if self.state is None else self.state,
+                    lse_c_ptr=self.lse_c, slot=self.slot, slab=slab_of(h), h_ptr=h,
+                    base_ptr=h if self.base is None else self.base, q_ptr=self.query, g_ptr=self.norm_weight,
+                    gate_ptr=weight if self.gate is None else self.gate, has_gate=int(self.gate is not None),
+                    w_ptr=weight, lse_ptr=self.lse, **_null_args(self.null, weight), M=self.M, d=h.shape[-1],
+                    eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
+                    X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
+                    HAS_DIFF=self.base is not None, ADD=self.add)
+
+    def reads(self, table_times: int) -> list:
+        """What both kernels read of the read's inputs (for the launch observers)."""
+        h = self.h
+        reads = [(self.table, table_times)] if self.table is not None else []
+        reads += [(slot_view(self.state, self.slot, h), 1)] if self.state is not None else []
+        return reads + ([(h, 1)] if self.add or self.base is not None else []) + (
+            [(self.base, 1)] if self.base is not None else [])
 
 
-def receiver_forward(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor,
-                     h: Tensor, base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None,
-                     weight: Tensor, eps: float, norm_eps: float, null: Tensor | bool, add: bool,
-                     r_dtype: torch.dtype, x_dtype: torch.dtype, y_dtype: torch.dtype) -> Tensor:
-    """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [state slot] + table sources
-    [+ h - base] [+ a null source: zero if null is True, the (d,) vector if null is a tensor]; writes
-    lse[slot]. h (B, T, d) is the stream (and the partial block's minuend);
-    r and x are rounded to r_dtype and x_dtype where the reference rounds them."""
-    M, d = h.numel() // h.shape[-1], h.shape[-1]
+@dataclass
+class ReadGrads:
+    """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
+    kernels/grouped_state.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
+    (None without a state); dbase, (B, T, d), for -dL/d(partial); dsum = (buffer, lo, hi): slots lo..hi-1
+    of buffer added to dh (the group's other partials, when h is their base)."""
+    accumulators: tuple[Tensor, Tensor, int, int]
+    accumulate: bool
+    go: Tensor | None
+    D: Tensor | None
+    dbase: Tensor | None
+    dsum: tuple[Tensor, int, int] | None = None
+
+
+def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
+    """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [the state's slot] + the table's
+    sources [+ h - base] [+ the null source]; writes lse[slot]."""
+    h = read.h
     y = torch.empty(h.shape, dtype=y_dtype, device=h.device)
-    cfg = _receiver_config(M, d, backward=False)
-    reads = ([(table, 1)] if table is not None else []) + ([(slot_view(state, slot, h), 1)] if state is not None else [])
-    reads += ([(h, 1)] if add or base is not None else []) + ([(base, 1)] if base is not None else [])
-    _launch(_receiver_fwd, triton.cdiv(M, cfg["BLOCK_M"]), reads, [y, lse[slot]], h.device,
-            **_read_args(table, state, lse_c, slot, lse, h, base, query, norm_weight, gate, weight, eps, norm_eps,
-                         null, add, r_dtype, x_dtype), y_ptr=y, **cfg)
+    cfg = _receiver_config(read.M, h.shape[-1], backward=False)
+    launch(_receiver_fwd, triton.cdiv(read.M, cfg["BLOCK_M"]), read.reads(1), [y, read.lse[read.slot]], h.device,
+           **read.kernel_args(), y_ptr=y, **cfg)
     return y
 
 
-def receiver_backward(table: SourceTable | None, state: Tensor | None, lse_c: Tensor, slot: int, lse: Tensor,
-                      h: Tensor, base: Tensor | None, query: Tensor, norm_weight: Tensor, gate: Tensor | None,
-                      weight: Tensor, eps: float, norm_eps: float, add: bool, r_dtype: torch.dtype,
-                      x_dtype: torch.dtype, dy: Tensor,
-                      accumulators: tuple[Tensor, Tensor, int, int], accumulate: bool, go: Tensor | None,
-                      D: Tensor | None, dbase: Tensor | None, dsum: tuple[Tensor, int, int] | None = None,
-                      null: Tensor | bool = False) -> dict:
-    """Backward of receiver_forward. The table sources' gradients go into `accumulators` (written, or added
-    to when `accumulate`); go[slot], D[slot] are written for phase 1's backward when there is a state;
-    dbase receives -dL/d(partial block); dsum = (buffer, lo, hi): slots lo..hi-1 of buffer are added to dh.
-    Returns {"dh", "du", "dweight", "dgate"} (dh None when h is unused). A learned null's own gradient and
-    its du term are left to `learned_null_grads`, from go, D and lse."""
-    M, d = h.numel() // h.shape[-1], h.shape[-1]
+def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
+    """Backward of receiver_forward into `out` (ReadGrads). Returns {"dh", "du", "dweight", "dgate"} (dh None
+    when h is unused). A learned null's own gradient and its du term are left to `learned_null_grads`, from
+    go, D and lse."""
+    h, table, slot = read.h, read.table, read.slot
+    M, d = read.M, h.shape[-1]
     cfg = _receiver_config(M, d, backward=True)
     programs, tiles = wave(triton.cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], h.device)
-    uses_h = add or base is not None or dsum is not None
+    uses_h = read.add or read.base is not None or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
-    dsum_ptr, dsum_lo, dsum_hi = dsum if dsum is not None else (h, 0, 0)
+    dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
     du = torch.empty(programs, cfg["BLOCK_D"], dtype=torch.float32, device=h.device)
     dweight = torch.empty_like(du)
     dgate = torch.empty(programs, dtype=torch.float32, device=h.device)
-    acc_a, acc_b, off_a, off_b = accumulators
+    acc_a, acc_b, off_a, off_b = out.accumulators
     n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
     grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
-    reads = ([(table, 2)] if table is not None else []) + [(dy, 1), (lse[slot], 1)]
-    reads += [(slot_view(state, slot, h), 1)] if state is not None else []
-    reads += ([(h, 1)] if uses_h else []) + ([(base, 1)] if base is not None else [])
-    reads += [(g, 1) for g in grads] if accumulate else []
-    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if dsum is not None else []
-    writes = grads + [du, dweight] + ([dh] * (1 + (dsum is not None)) if uses_h else [])
-    writes += [dbase] if base is not None else []
-    writes += [slot_view(go, slot, h), D[slot]] if state is not None else []
-    _launch(_receiver_bwd, programs, reads, writes, h.device,
-            **_read_args(table, state, lse_c, slot, lse, h, base, query, norm_weight, gate, weight, eps, norm_eps,
-                         null, add, r_dtype, x_dtype),
-            dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
-            dbase_ptr=dbase if dbase is not None else h, go_ptr=go if go is not None else h,
-            D_ptr=D if D is not None else lse, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=du,
-            dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles, accumulate=int(accumulate), SUMS=dsum is not None, **cfg)
+    reads = read.reads(2) + [(dy, 1), (read.lse[slot], 1)] + ([(g, 1) for g in grads] if out.accumulate else [])
+    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if out.dsum is not None else []
+    writes = grads + [du, dweight] + ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
+    writes += [out.dbase] if read.base is not None else []
+    writes += [slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else []
+    launch(_receiver_bwd, programs, reads, writes, h.device, **read.kernel_args(),
+           dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
+           dbase_ptr=h if out.dbase is None else out.dbase, go_ptr=h if out.go is None else out.go,
+           D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
+           du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles, accumulate=int(out.accumulate),
+           SUMS=out.dsum is not None, **cfg)
     return {"dh": dh, "du": du.sum(0)[:d], "dweight": dweight.sum(0)[:d],
-            "dgate": dgate.sum() if gate is not None else None}
+            "dgate": dgate.sum() if read.gate is not None else None}

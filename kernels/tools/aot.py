@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from kernels import depth_route, grouped, receiver
+from kernels import depth_route, group_read, receiver_read
 from kernels.launch import Launch, observe_launches, register_budget
 from kernels.tools.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
@@ -145,7 +145,7 @@ def compile_one(name: str, spec: tuple) -> Compiled:
 
 def programs_per_sm(name: str) -> int:
     """How many programs of a kernel are meant to share an SM (each kernel module says, with the reason)."""
-    return {**depth_route.PROGRAMS_PER_SM, **grouped.PROGRAMS_PER_SM, **receiver.PROGRAMS_PER_SM}[name.split()[0]]
+    return {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **receiver_read.PROGRAMS_PER_SM}[name.split()[0]]
 
 
 def register_bound(num_warps: int, programs: int = 2) -> int:
