@@ -22,6 +22,10 @@ from kernels.tiles import accumulate_grad, folded_query, logit, read_table, soft
 
 # ------------------------------------------------------------------------------------------------ kernels
 
+# The NULL flag of both kernels: no null source, a zero one (value 0, logit 0), or the receiver's learned vector
+NULL_NONE, NULL_ZERO, NULL_LEARNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
 def _mix(h, r, gate, ADD: tl.constexpr, X_DTYPE: tl.constexpr):
     """x = h + gate r (additive, Eq. 2; gate 1.0 without a gate: exactly h + r) or r (replacement), rounded to
@@ -50,9 +54,9 @@ def _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, 
 
 @triton.jit
 def _null_source(null_ptr, NULL: tl.constexpr, u, cols, d, eps):
-    """The null source (BLOCK_D,) and its logit: the receiver's learned vector (NULL == 2), or zero (value 0,
+    """The null source (BLOCK_D,) and its logit: the receiver's learned vector (NULL_LEARNED), or zero (value 0,
     logit 0) otherwise."""
-    if NULL == 2:
+    if NULL == NULL_LEARNED:
         n = tl.load(null_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     else:
         n = tl.zeros((u.shape[0],), tl.float32)
@@ -84,7 +88,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     if HAS_DIFF:                          # the partial block h - base
         p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m, l, acc = softmax_step(m, l, acc, p, logit(p, u, d, eps)[0])
-    if NULL != 0:                         # the null source: 0 (none), 1 (zero), 2 (learned, at null_ptr)
+    if NULL != NULL_NONE:                 # the null source: zero, or learned (at null_ptr)
         n, z_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
         m, l, acc = softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
@@ -115,7 +119,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     u = folded_query(q_ptr, g_ptr, cols, d)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
-    if NULL == 2:                         # the learned null's vector and logit
+    if NULL == NULL_LEARNED:              # the learned null's vector and logit
         n, z_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
     du = tl.zeros((BLOCK_D,), tl.float32)
     dw = tl.zeros((BLOCK_D,), tl.float32)
@@ -144,7 +148,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         if HAS_DIFF:
             p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             r += tl.exp(logit(p, u, d, eps)[0] - lse)[:, None] * p
-        if NULL == 2:
+        if NULL == NULL_LEARNED:
             r += tl.exp(z_n - lse)[:, None] * n[None, :]
         r_mixed = r.to(R_DTYPE).to(tl.float32)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
@@ -224,8 +228,8 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
 def _null_args(null: Tensor | bool, placeholder: Tensor) -> dict:
     """The null-source arguments: none (0), zero (1) or a learned vector (2)."""
     if isinstance(null, Tensor):
-        return dict(null_ptr=null, NULL=2)
-    return dict(null_ptr=placeholder, NULL=int(bool(null)))
+        return dict(null_ptr=null, NULL=NULL_LEARNED.value)
+    return dict(null_ptr=placeholder, NULL=(NULL_ZERO if null else NULL_NONE).value)
 
 
 def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
