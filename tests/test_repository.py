@@ -12,6 +12,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
+# The one exemption: train.py's training loop stays one function, as nanoGPT's, so that a learner reads the whole
+# run (lr, micro-steps, the collective, skipping, logging, evaluation, saving, stopping) top to bottom.
+LONG_FUNCTIONS = {("train.py", "training_loop")}
 
 
 def python_files() -> list[str]:
@@ -132,6 +135,34 @@ def test_no_function_outside_the_kernels_is_over_60_lines():
         for node in ast.walk(parse(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES and (path, node.name) not in LONG_FUNCTIONS:
                     long.append(f"{path}:{start} {node.name}: {node.end_lineno - start + 1} lines")
     assert not long
+
+
+# The top level is the method and the commands a user runs; everything else lives in a package.
+TOP_LEVEL = {"router.py", "model.py", "train.py", "finetune.py", "eval.py", "sample.py", "data.py"}
+COMMANDS = {"train", "finetune", "eval", "sample", "data"}
+FAST_PATH = {"kernels/__init__.py", "kernels/launch.py", "kernels/tiles.py", "kernels/depth_route.py",
+             "kernels/group_read.py", "kernels/receiver_read.py", "kernels/grouped_state.py"}
+
+
+def test_the_top_level_holds_the_method_and_the_commands_only():
+    assert {p for p in python_files() if os.sep not in p} == TOP_LEVEL
+    assert {p for p in python_files() if p.startswith("kernels" + os.sep) and p.count(os.sep) == 1} == FAST_PATH
+
+
+def test_no_package_imports_a_command_and_the_fast_path_imports_no_plumbing():
+    """infra/ and kernels/ never import a top-level command (a package imports nothing above it but the method:
+    router, model); the fast path (kernels/ without tools/) imports only itself and router. (experiments/ and
+    scripts/ run the commands: they may.)"""
+    upward, plumbing = [], []
+    for path in python_files():
+        if not path.startswith(("infra" + os.sep, "kernels" + os.sep)):
+            continue
+        for node in ast.walk(parse(path)):
+            names = set(imported_modules(node))
+            upward += [f"{path}: {n}" for n in names & COMMANDS]
+            if path in FAST_PATH:
+                plumbing += [f"{path}: {n}" for n in names if not n.startswith("kernels") and n != "router"]
+    assert not upward and not plumbing

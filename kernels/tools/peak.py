@@ -5,7 +5,7 @@
 
 It runs train.py's step (one micro-batch of 4 x 1024 tokens: the paper's 32 sequences on 8 GPUs) a few times
 on the meta device, where tensors have shapes and dtypes but no data: `model.Model` and AdamW are built
-there, then forward under autocast (train.loss_fn), backward, clip_grad_norm_, optimizer.step() and
+there, then forward under autocast (the loss as train.py's), backward, clip_grad_norm_, optimizer.step() and
 zero_grad(set_to_none=True). Routing takes the kernel path (kernel="triton", as on a GPU) with every Triton
 launch skipped (kernels.launch.observe_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
 outputs: each distinct storage counts its bytes once (views and in-place results share their input's
@@ -55,7 +55,6 @@ from kernels.launch import observe_launches
 from kernels.tools.traffic import SHAPE_1044M, TOKENS_1044M
 from model import Model, ModelConfig, RMSNorm
 from router import METHODS
-from train import loss_fn
 
 BLOCKED = ("attnres", "delta_block")          # the methods whose memory depends on n_blocks
 # the paper's peak memory per GPU, GB (1044M on 8 x H100, its own implementation, not this one)
@@ -187,7 +186,7 @@ def forward_backward(model: Model, tokens: tuple[int, int], tracker: MemoryTrack
     x = torch.zeros(tokens, dtype=torch.int64, device="meta")
     tracker.phase = "forward"
     with EmulatedAutocast():
-        loss = loss_fn(model, x, x)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())   # train.loss_fn's
     tracker.phase = "backward"
     loss.backward()
     return loss
