@@ -65,9 +65,8 @@ class Router(nn.Module):
 
     query_init_std: the query starts at N(0, std), or at zero (uniform weights, as the paper states) for 0.
     gate: a scalar γ starting at zero, so h^ = h~ + γ r is an exact identity at initialisation (zero queries
-        alone are not one). The gate's gradient at γ = 0 is <dL/dh^, r>; with zero queries and sources that
-        sum to the stream, r = c h~ and the scale-invariant pre-norm makes it vanish but for RMSNorm's eps, so a
-        gated router starts from random queries (ModelConfig's default for gate=True is N(0, 0.02)).
+        alone are not one), and a gated router starts from random queries (ModelConfig's default for
+        gate=True is N(0, 0.02)): why both, docs/method.md, "Correction 2".
     learned_null: the null source is a learned vector n_l (d,) of this receiver, zero at init (the authors'
         code), rather than a constant zero.
     """

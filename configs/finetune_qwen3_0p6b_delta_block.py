@@ -12,11 +12,8 @@ n_blocks = 28                # a block per layer, as in the paper's Qwen3-0.6B r
 null_source = True
 learned_null = True          # the authors' code: a learned null vector per receiver, zero at init (so it starts
                              # as the constant zero source)
-# The paper used gate=False: a zero query and a null source, which is NOT an identity at step 0
-# (docs/method.md, section 'Initialisation and identity'; the step-0 log line measures it). gate=True adds a
-# zero-initialised scalar gate per receiver, an exact identity at step 0, and is the recommended choice. Its
-# queries then start at N(0, 0.02) (query_init_std's default with a gate): with zero queries the boundary
-# sources would make the read c * h~, which the pre-norm ignores, so the gates would get no gradient; random
-# ones give the gates a gradient at step 0 and the queries from step 1.
+# The paper used gate=False: a zero query and a null source, which is NOT an identity at step 0 (the step-0
+# log line measures it). gate=True adds a zero-initialised scalar gate per receiver, an exact identity at step
+# 0, with queries from N(0, 0.02): the recommended choice (docs/method.md, "Correction 2", says why).
 gate = False
 out_dir = "out/ft_qwen3_0p6b_delta_block"

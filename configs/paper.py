@@ -12,7 +12,7 @@ eval_interval = 500
 eval_batches = 50
 log_interval = 10
 ckpt_interval = 1000
-compile = True               # per-sublayer graphs: 3 forward + 3 backward for any depth (README)
+compile = True               # per-sublayer graphs: 3 forward + 3 backward for any depth (docs/training.md)
 n_blocks = 4                 # attnres / delta_block: the authors' scripts' default (each method's config says
                              # where its own count comes from)
 block_split = "ceil"         # the authors' blocks of ceil(L / K) layers; in every paper config K divides L, so

@@ -1,7 +1,7 @@
 """train.py through the kernel path (interpreted) against the reference path (experiments/rehearsal.py): one
 process, and 2 gloo ranks with DDP and with FSDP2 (the gate included), a skipped non-finite step, exact resume.
 CI runs a few cases for a few steps; `python -m experiments.rehearsal` runs every case for 20 steps in all three
-worlds (README, "Checks")."""
+worlds (docs/kernels.md)."""
 import math
 
 import pytest

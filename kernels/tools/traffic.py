@@ -6,7 +6,7 @@
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
 real `model.Model` on the meta device (shapes and dtypes, no data, no GPU), where
-- every kernel launch is seen by `kernels.depth_route.observe_launches` (the tensors it reads, with how many
+- every kernel launch is seen by `kernels.launch.observe_launches` (the tensors it reads, with how many
   times, and writes) and skipped;
 - every torch op is seen by a TorchDispatchMode: it reads its tensor arguments and writes its outputs (views
   and allocations move nothing; a broadcast tensor counts its distinct elements once);
