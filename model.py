@@ -45,7 +45,7 @@ class ModelConfig:
     init_std: float = 0.02
     # depth routing (router.py)
     residual: str = "baseline"          # one of router.METHODS
-    n_blocks: int = 4                   # blocks K for attnres / delta_block (K+1 sources with the partial)
+    n_blocks: int = 4                   # blocks K for attnres / delta_block (docs/method.md, "Block counts")
     block_split: str = "even"           # attnres / delta_block (like n_blocks, ignored by the other methods): "even"
                                         # (block b starts at layer floor(b L / K)) or "ceil" (the authors' code:
                                         # blocks of ceil(L / K) layers); router.block_starts

@@ -298,7 +298,7 @@ def test_paper_config_parameter_counts(size):
 
 # Block counts: the paper's where it gives one, else the authors' run names and scripts (default 4).
 BLOCKS = {"220m_attnres": 4, "220m_delta_block": 2, "533m_attnres": 4, "533m_delta_block": 4,
-          "1044m_attnres": 4, "1044m_delta_block": 4, "qwen3_0p6b_attnres": 4, "qwen3_0p6b_delta_block": 28,
+          "1044m_attnres": 4, "1044m_delta_block": 4, "qwen3_0p6b_attnres": 28, "qwen3_0p6b_delta_block": 28,
           "qwen3_8b_attnres": 4, "qwen3_8b_delta_block": 4}
 
 
