@@ -143,13 +143,12 @@ def full_plan() -> Plan:
         Section("Table 1 in miniature: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the change vs "
                 "the baseline is paired by seed (same init and data order).", t1, ("curves",)),
         Section("Table 4 in miniature: number of blocks (L = 12), seed 0", "K blocks give K + 1 sources to the "
-                "last sublayer; the fine-grained delta reads up to 2L + 1 = 25.", t4, ("blocks",)),
+                "last sublayer; the fine-grained delta reads up to 2L = 24.", t4, ("blocks",)),
         Section("Equal wall-clock, seed 0", "Same time_budget_s for every method (the baseline's equal-steps "
                 "wall time); each method's schedule is as long as the steps it makes in that time.", wall),
         Section("Initialisation: query init and gate of delta_block, 3 seeds", "gate=True starts as the baseline "
-                "bit for bit; with zero queries its gate gets only RMSNorm's eps term as gradient (the read is c h~ "
-                "and the pre-norm is scale invariant), so gate=True defaults to queries drawn from N(0, 0.02). "
-                "Without a gate the boundary sources give a near-identity at any query init.", init),
+                "bit for bit, and defaults to queries drawn from N(0, 0.02) (docs/method.md, Correction 2, says "
+                "why).", init),
         Section("The grid: granularity x source construction x use, equal steps, 3 seeds", "The four routed "
                 "methods are granularity x use with deltas as sources; sources='states' swaps each delta for the "
                 "stream at the same place (the cumulative states of Sec. 2.2). Block sums and boundary deltas are "
@@ -212,7 +211,8 @@ def memory_key(run: Run) -> str:
 
 
 def n_sources(cfg) -> int:
-    """Sources as Table 4 counts them: K + 1 for K blocks (the partial included; the paper's variant has none),
-    2L + 1 fine-grained."""
+    """The most sources a sublayer reads: K + 1 for K blocks (the partial included; the paper's variant reads
+    at most K), 2L fine-grained (the paper's Table 4 counts 2L + 1, Full AttnRes's final read)."""
     blocks = cfg.n_blocks + int(cfg.residual == "attnres" or (cfg.include_partial and cfg.block_source == "boundary"))
-    return {"baseline": 0, "attnres": blocks, "delta_block": blocks}.get(cfg.residual, 2 * cfg.n_layers + 1)
+    fine = {"delta": 2 * cfg.n_layers, "full_attnres": 2 * cfg.n_layers + 1}
+    return {"baseline": 0, "attnres": blocks, "delta_block": blocks, **fine}[cfg.residual]
