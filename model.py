@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from router import BLOCK_SOURCES, BLOCK_SPLITS, METHODS, DepthState, Router, depth_route, make_policy, rms_norm
+from router import (BLOCK_SOURCES, BLOCK_SPLITS, METHODS, SOURCES, DepthState, Router, depth_route, make_policy,
+                    rms_norm)
 
 KERNELS = ("auto", "triton", "reference")
 GATED_QUERY_INIT_STD = 0.02  # the default query init with gate=True: the authors' Linear(d, 1) queries, N(0, 0.02)
@@ -51,6 +52,8 @@ class ModelConfig:
                                         # blocks of ceil(L / K) layers); router.block_starts
     block_source: str = "boundary"      # delta_block: "boundary" (the stream's change across each block, the
                                         # default) or "paper" (the authors' computation exactly: router.make_policy)
+    sources: str = "deltas"             # routed methods: "deltas" (changes of the stream: the five methods) or
+                                        # "states" (the stream itself at each commit; router.Policy.sources)
     include_partial: bool = True        # delta_block, boundary sources: the current partial block is a source
                                         # (the paper's variant never has one)
     null_source: bool = False           # an extra null source per receiver
@@ -78,6 +81,11 @@ class ModelConfig:
             raise ValueError(f"kernel={self.kernel!r}: allowed values are {', '.join(KERNELS)}")
         if self.block_source not in BLOCK_SOURCES:
             raise ValueError(f"block_source={self.block_source!r}: allowed values are {', '.join(BLOCK_SOURCES)}")
+        if self.sources not in SOURCES:
+            raise ValueError(f"sources={self.sources!r}: allowed values are {', '.join(SOURCES)}")
+        if self.sources == "states" and (self.residual == "baseline" or self.block_source == "paper"):
+            raise ValueError("sources='states' needs a routed method and block_source='boundary' (the paper's "
+                             "variant is a construction of deltas of its own)")
         if self.block_split not in BLOCK_SPLITS:
             raise ValueError(f"block_split={self.block_split!r}: allowed values are {', '.join(BLOCK_SPLITS)}")
         if not (self.query_init_std >= 0 or self.query_init_std == -1):
@@ -238,7 +246,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.policy = make_policy(cfg.residual, cfg.n_layers, cfg.n_blocks, cfg.block_source,
-                                  cfg.include_partial, cfg.null_source, cfg.block_split)
+                                  cfg.include_partial, cfg.null_source, cfg.block_split, cfg.sources)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)

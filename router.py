@@ -17,7 +17,13 @@ and uses the read-out r_l in one of three ways (DepthState.input):
 
 The five methods differ only in which sources exist, when a source is committed, and how the read is used;
 `Policy` holds exactly those facts and `DepthState` runs them, so the model's sublayer loop never branches on
-a method's name.
+a method's name. They are four corners of a grid, granularity (a source per sublayer, or per block) x use
+(replacement, additive), and a third switch, what a source is, completes it (docs/method.md, "The grid"):
+
+    sources="deltas" (the five methods): changes of the stream, the embedding e and then the sublayer outputs
+                   v_i, or per block their sum B_b = h~_{tau_{b+1}} - h~_{tau_b}, and the partial block;
+    sources="states": the stream itself, the cumulative states h~_i = e + sum_{j<i} v_j at every commit, and
+                   the current state h~_l where the partial block would be (Sec. 2.2's "redundant" sources).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from torch import Tensor
 
 METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 BLOCK_SOURCES = ("boundary", "paper")
+SOURCES = ("deltas", "states")
 BLOCK_SPLITS = ("even", "ceil")
 
 
@@ -100,7 +107,9 @@ class Policy:
                    "replace" (AttnRes).
     boundaries:    sublayer indices where a new block starts: there the block before becomes a committed
                    source. Every index -> fine-grained (each output is a source); block starts -> block sources.
-    block_source:  what is committed: "boundary" = the sum of outputs since the last boundary, which is
+    sources:       "deltas": what is committed is a change of the stream (below); "states": the stream h~
+                   itself at the commit, and the partial's place is taken by the current stream h~_l.
+    block_source:  with deltas, what is committed: "boundary" = the sum of outputs since the last boundary,
                    exactly h~_{tau_{b+1}} - h~_{tau_b}; "paper" = h~ - sources[-1] (the paper's Fig. 3).
     commit_after_read: False: a finished block is a source for the boundary sublayer itself; True (the
                    authors' code): it is committed only after that sublayer has read, from the stream at the
@@ -114,6 +123,7 @@ class Policy:
 
     read: str
     boundaries: frozenset[int] = frozenset()
+    sources: str = "deltas"
     block_source: str = "boundary"
     commit_after_read: bool = False
     include_partial: bool = True
@@ -137,7 +147,8 @@ def block_starts(n_layers: int, n_blocks: int, split: str = "even") -> frozenset
 
 
 def make_policy(residual: str, n_layers: int, n_blocks: int = 1, block_source: str = "boundary",
-                include_partial: bool = True, null_source: bool = False, block_split: str = "even") -> Policy:
+                include_partial: bool = True, null_source: bool = False, block_split: str = "even",
+                sources: str = "deltas") -> Policy:
     """The five methods of the paper. Arguments are validated by ModelConfig.
 
     delta_block's block_source="paper" is the authors' computation exactly: Fig. 3's formula, committed
@@ -145,18 +156,24 @@ def make_policy(residual: str, n_layers: int, n_blocks: int = 1, block_source: s
     at sublayer 0. With L = 8, K = 4 and B_k the sum of block k's outputs, sublayers 1-4 read [e], 5-8
     [e, B0], 9-12 [e, B0, e+B1], 13-15 [e, B0, e+B1, B0+B2]. "boundary": a sublayer of block k reads
     [e, B0, .., B_{k-1}], plus the partial from the block's second sublayer on.
+
+    sources="states" swaps every delta for the stream at the same place: a block method's sublayer of block k
+    reads [e, h~_{tau_1}, .., h~_{tau_k}], plus h~_l from the block's second sublayer on; a fine-grained
+    one's sublayer l reads [e, h~_1, .., h~_l].
     """
     every = frozenset(range(1, 2 * n_layers))  # commit each output before the next sublayer reads
     blocks = block_starts(n_layers, n_blocks, block_split)
     paper = block_source == "paper"
-    delta_block = Policy(read="add", boundaries=blocks, block_source=block_source, commit_after_read=paper,
-                         include_partial=include_partial and not paper, reads_from=int(paper),
-                         null_source=null_source)
+    delta_block = Policy(read="add", boundaries=blocks, sources=sources, block_source=block_source,
+                         commit_after_read=paper, include_partial=include_partial and not paper,
+                         reads_from=int(paper), null_source=null_source)
     policies = {
         "baseline": Policy(read="none"),
-        "attnres": Policy(read="replace", boundaries=blocks, null_source=null_source, final_read=True),
-        "full_attnres": Policy(read="replace", boundaries=every, null_source=null_source, final_read=True),
-        "delta": Policy(read="add", boundaries=every, null_source=null_source),
+        "attnres": Policy(read="replace", boundaries=blocks, sources=sources, null_source=null_source,
+                          final_read=True),
+        "full_attnres": Policy(read="replace", boundaries=every, sources=sources, null_source=null_source,
+                               final_read=True),
+        "delta": Policy(read="add", boundaries=every, sources=sources, null_source=null_source),
         "delta_block": delta_block,
     }
     return policies[residual]
@@ -194,6 +211,8 @@ class DepthState:
 
     def new_source(self) -> Tensor:
         """The source the current partial block would become if it were committed now."""
+        if self.policy.sources == "states":
+            return self.h                     # h~ now: the cumulative state
         if self.policy.block_source == "paper":
             return self.h - self.sources[-1]  # Fig. 3: hidden - deltas[-1] (not a boundary difference)
         return self.partial                   # = h~_now - h~_{last boundary}, summed without cancellation

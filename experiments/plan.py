@@ -39,6 +39,26 @@ INITS = [
 ]
 
 
+# The grid (source construction x read-out use): the four routed methods are granularity x use with the paper's
+# sources (deltas); sources="states" swaps them for the stream's states at the same places (router.Policy).
+# Label -> (run-name slug, overrides); the deltas points are Table 1's runs.
+GRID = {
+    "fine, deltas (e, v_0, .., v_{l-1}), replacement = full_attnres": ("full_attnres", {"residual": "full_attnres"}),
+    "fine, deltas, additive = delta": ("delta", {"residual": "delta"}),
+    "fine, states (h~_0, .., h~_l), replacement": ("full_attnres_states",
+                                                   {"residual": "full_attnres", "sources": "states"}),
+    "fine, states, additive": ("delta_states", {"residual": "delta", "sources": "states"}),
+    "block, block sums = boundary deltas (e, B_0, .., partial), replacement = attnres": ("attnres",
+                                                                                       {"residual": "attnres"}),
+    "block, block sums = boundary deltas, additive = delta_block": ("delta_block", {"residual": "delta_block"}),
+    "block, boundary states (e, h~_tau_1, .., h~_l), replacement": ("attnres_states",
+                                                                    {"residual": "attnres", "sources": "states"}),
+    "block, boundary states, additive": ("delta_block_states", {"residual": "delta_block", "sources": "states"}),
+    "block, the authors' deltas, additive = delta_block (the authors' variant)": (
+        "delta_block_paper", {"residual": "delta_block", "block_source": "paper"}),
+}
+
+
 # The depth sweep (--depth): configs/sweep_depth.py at these depths, these methods; run times per step relative
 # to the 12-layer baseline, measured on one core (they order the queue and estimate the ETA).
 DEPTH_CONFIG = "configs/sweep_depth.py"
@@ -112,17 +132,28 @@ def full_plan() -> Plan:
         names = [f"{slug}_s{s}" for s in SEEDS]
         runs += [Run(n, {"residual": "delta_block", **overrides, "seed": s}, 1.35) for n, s in zip(names, SEEDS)]
         init.append((label, names))
+    grid = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS])]
+    for label, (slug, overrides) in GRID.items():
+        existing = any(m[0] == slug for m in METHODS.values())
+        names = [f"{'t1' if existing else 'grid'}_{slug}_s{s}" for s in SEEDS]
+        if not existing:
+            runs += [Run(n, {**overrides, "seed": s}, METHODS[overrides["residual"]][2]) for n, s in zip(names, SEEDS)]
+        grid.append((label, names))
     sections = [
         Section("Table 1 in miniature: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the change vs "
                 "the baseline is paired by seed (same init and data order).", t1, ("curves",)),
         Section("Table 4 in miniature: number of blocks (L = 12), seed 0", "K blocks give K + 1 sources to the "
-                "last sublayer; the fine-grained delta reads up to 2L + 1 = 25.", t4, ("blocks",)),
+                "last sublayer; the fine-grained delta reads up to 2L = 24.", t4, ("blocks",)),
         Section("Equal wall-clock, seed 0", "Same time_budget_s for every method (the baseline's equal-steps "
                 "wall time); each method's schedule is as long as the steps it makes in that time.", wall),
         Section("Initialisation: query init and gate of delta_block, 3 seeds", "gate=True starts as the baseline "
-                "bit for bit; with zero queries its gate gets only RMSNorm's eps term as gradient (the read is c h~ "
-                "and the pre-norm is scale invariant), so gate=True defaults to queries drawn from N(0, 0.02). "
-                "Without a gate the boundary sources give a near-identity at any query init.", init),
+                "bit for bit, and defaults to queries drawn from N(0, 0.02) (docs/method.md, Correction 2, says "
+                "why).", init),
+        Section("The grid: granularity x source construction x use, equal steps, 3 seeds", "The four routed "
+                "methods are granularity x use with deltas as sources; sources='states' swaps each delta for the "
+                "stream at the same place (the cumulative states of Sec. 2.2). Block sums and boundary deltas are "
+                "the same numbers (B_b = h~_{tau_{b+1}} - h~_{tau_b}); the authors' deltas are the alternating sums "
+                "of their code, with its other changes (commit timing, no partial, no read at sublayer 0).", grid),
     ]
     return Plan("sweep", CONFIG, runs, sections)
 
@@ -144,6 +175,19 @@ def depth_plan() -> Plan:
         plots = ("curves", "depth") if n_layers == DEPTHS[0] else ("depth",)
         sections.append(Section(f"{n_layers} layers: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the "
                                 "change vs the baseline is paired by seed (same init and data order).", rows, plots))
+    # the block points of the grid at 36 layers: boundary states beside Table 1's block sums (= boundary deltas)
+    n_layers, rows = DEPTHS[0], [("baseline", [f"l{DEPTHS[0]}_baseline_s{s}" for s in SEEDS])]
+    for label in ("attnres", "delta_block"):
+        for sources in ("deltas", "states"):
+            slug = METHODS[label][0] + ("_states" if sources == "states" else "")
+            names = [f"l{n_layers}_{slug}_s{s}" for s in SEEDS]
+            if sources == "states":
+                runs += [Run(n, {"residual": label, "sources": sources, "n_layers": n_layers, "seed": s},
+                             DEPTH_COSTS[(n_layers, label)], config=DEPTH_CONFIG) for n, s in zip(names, SEEDS)]
+            rows.append((f"{label}, {sources}", names))
+    sections.append(Section(f"{n_layers} layers: the grid's block points, equal steps, 3 seeds", "Block sums "
+                            "(= boundary deltas) or boundary states, replacement (attnres) or additive (delta_block).",
+                            rows))
     return Plan("depth_sweep", DEPTH_CONFIG, runs, sections)
 
 
@@ -163,11 +207,12 @@ def memory_key(run: Run) -> str:
         key += f"/K{cfg.n_blocks}"
     if cfg.residual == "delta_block":
         key += f"/{cfg.block_source}"
-    return key + ("/gate" if cfg.gate else "")
+    return key + ("/states" if cfg.sources == "states" else "") + ("/gate" if cfg.gate else "")
 
 
 def n_sources(cfg) -> int:
-    """Sources as Table 4 counts them: K + 1 for K blocks (the partial included; the paper's variant has none),
-    2L + 1 fine-grained."""
+    """The most sources a sublayer reads: K + 1 for K blocks (the partial included; the paper's variant reads
+    at most K), 2L fine-grained (the paper's Table 4 counts 2L + 1, Full AttnRes's final read)."""
     blocks = cfg.n_blocks + int(cfg.residual == "attnres" or (cfg.include_partial and cfg.block_source == "boundary"))
-    return {"baseline": 0, "attnres": blocks, "delta_block": blocks}.get(cfg.residual, 2 * cfg.n_layers + 1)
+    fine = {"delta": 2 * cfg.n_layers, "full_attnres": 2 * cfg.n_layers + 1}
+    return {"baseline": 0, "attnres": blocks, "delta_block": blocks, **fine}[cfg.residual]

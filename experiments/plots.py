@@ -46,7 +46,7 @@ def plot_blocks(blocks: list[dict], reference: dict, seed_std: dict[str, float],
     ax.annotate("delta (fine-grained)", (sources[-1], blocks[-1]["val_ppl"]), fontsize=8,
                 textcoords="offset points", xytext=(-90, 8))
     ax.axhline(reference["val_ppl"], ls="--", color="gray", label="baseline, seed 0")
-    ax.set(xscale="log", xlabel="sources (K + 1 for K blocks; 2L + 1 fine-grained, as the paper counts)",
+    ax.set(xscale="log", xlabel="most sources read (K + 1 for K blocks; 2L fine-grained)",
            ylabel="val PPL", title="PPL vs number of blocks")
     ax.set_xticks(sources, [str(x) for x in sources])
     ax.minorticks_off()

@@ -306,7 +306,7 @@ class GroupedDepthState(DepthState):
         self.l += 1
 
     def new_source(self) -> Tensor:
-        if self.policy.block_source == "paper":
+        if self.policy.sources == "states" or self.policy.block_source == "paper":
             return super().new_source()
         if len(self.outputs_since_commit) == 1:                      # one output: the source is that output
             return self.outputs_since_commit[0]
@@ -350,8 +350,11 @@ class GroupedDepthState(DepthState):
         own = self.sources[group.n_committed:]
         owned = self._claim(range(group.n_committed, len(self.sources)))
         base = None
-        if self.partial is not None and self.policy.include_partial:
-            base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
+        if self.partial is not None and self.policy.include_partial:   # the partial's source is h~ - base
+            if self.policy.sources == "states":
+                base = torch.zeros_like(self.h)                            # the current state h~ itself
+            else:
+                base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
         base_to_group = base is group.base
         if base_to_group:
             group.dbase_slots.append(receiver - group.first_receiver)

@@ -110,6 +110,35 @@ def test_stub_trace_boundary_sources():
         committed for committed in blocks for _ in range(4)]
 
 
+def state(i: int) -> str:
+    """The stub's name of the cumulative state h~_i = e + v_0 + .. + v_{i-1} (whole blocks named B_k)."""
+    return "+".join(["e"] + [f"B{k}" for k in range(i // 4)] + [f"v{j}" for j in range(4 * (i // 4), i)])
+
+
+@pytest.mark.parametrize("residual", ["attnres", "delta_block"])
+def test_stub_trace_block_grid_points(residual):
+    """The block methods read the same sources whatever they do with the read: deltas (block sums, with the
+    partial), or with sources="states" the boundary states and the current state in the partial's place."""
+    deltas, states = [], []
+    for k in range(4):
+        blocks = ["e"] + [f"B{j}" for j in range(k)]
+        boundaries = [state(4 * j) for j in range(k + 1)]
+        deltas += [blocks] + [blocks + ["partial"]] * 3
+        states += [boundaries] + [boundaries + [state(4 * k + i)] for i in range(1, 4)]
+    assert stub_trace(residual=residual) == deltas
+    assert stub_trace(residual=residual, sources="states") == states
+
+
+@pytest.mark.parametrize("residual", ["full_attnres", "delta"])
+def test_stub_trace_fine_grid_points(residual):
+    """Fine-grained: sublayer l reads e and every earlier output, or with sources="states" every cumulative
+    state h~_0 = e, .., h~_l (its own input among them)."""
+    def output(i: int, l: int) -> str:   # the stub calls an output that is all of the block so far "partial"
+        return "partial" if l % 4 == 1 and i == l - 1 else f"v{i}"
+    assert stub_trace(residual=residual) == [["e"] + [output(i, l) for i in range(l)] for l in range(16)]
+    assert stub_trace(residual=residual, sources="states") == [[state(i) for i in range(l + 1)] for l in range(16)]
+
+
 def test_stub_trace_paper_sources_with_one_block_read_only_the_embedding():
     assert stub_trace(residual="delta_block", block_source="paper", n_blocks=1) == [None] + [["e"]] * 15
 

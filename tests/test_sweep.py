@@ -157,7 +157,7 @@ def test_plans_are_well_formed():
             plans.model_config(run)
     depth = plans.depth_plan()
     assert depth.committed == os.path.join("results", "depth_sweep", "results.json")
-    assert [s.title.split(":")[0] for s in depth.sections] == ["36 layers", "12 layers"]
+    assert [s.title.split(":")[0] for s in depth.sections] == ["36 layers", "12 layers", "36 layers"]
     for section, n_layers in zip(depth.sections, (36, 12)):
         assert [label for label, _ in section.rows] == ["baseline", "attnres", "delta_block", "delta"]
         for _, row in section.rows:
@@ -166,7 +166,20 @@ def test_plans_are_well_formed():
             assert len({c.d_model for c in configs}) == 1
     steps = {plans.train_config(r).max_steps for r in depth.runs}
     assert len(steps) == 1                                       # equal steps
-    init = plans.full_plan().sections[-1]
+    # the grid's block points at 36 layers: Table 1's methods (deltas) and the same with sources="states"
+    grid = [(label, [plans.model_config(r) for r in depth.runs if r.name in row])
+            for label, row in depth.sections[2].rows]
+    assert [label for label, _ in grid] == ["baseline", "attnres, deltas", "attnres, states", "delta_block, deltas",
+                                            "delta_block, states"]
+    for label, configs in grid[1:]:
+        assert {(c.n_layers, c.residual, c.sources) for c in configs} == {(36, *label.split(", "))}
+    full = plans.full_plan()
+    grid = next(s for s in full.sections if s.title.startswith("The grid"))
+    states = [r for r in full.runs if any(r.name in row for _, row in grid.rows) and r.overrides.get("sources")]
+    assert {(plans.model_config(r).residual, plans.model_config(r).sources) for r in states} == {
+        (m, "states") for m in ("attnres", "full_attnres", "delta", "delta_block")}
+    assert len(states) == 4 * 3
+    init = next(s for s in full.sections if s.title.startswith("Initialisation"))
     gated = [r for r in plans.full_plan().runs if r.name in init.rows[-1][1]]
     assert all(plans.model_config(r).gate and plans.model_config(r).query_init_std == 0.02 for r in gated)
 
