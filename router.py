@@ -115,7 +115,10 @@ class Policy:
                    authors' code): it is committed only after that sublayer has read, from the stream at the
                    boundary, so the first sublayer of a block does not see the previous block.
     include_partial: the not-yet-committed partial is a source too (once its block has an output).
-    reads_from:    sublayers before this index read nothing (the authors' code: sublayer 0 has no read).
+    reads_from:    sublayers before this index read nothing (the authors' code: sublayer 0 has no read, or
+                   with a null source reads only that).
+    sources_from:  sublayers before this index have no sources but the null source (the authors' code: e is
+                   a source from sublayer 1 on, as if committed after sublayer 0's read).
     null_source:   an extra null source (zero, or the receiver's learned vector), so a receiver can read
                    nothing.
     final_read:    a last routing over every source produces the input of the final norm.
@@ -128,6 +131,7 @@ class Policy:
     commit_after_read: bool = False
     include_partial: bool = True
     reads_from: int = 0
+    sources_from: int = 0
     null_source: bool = False
     final_read: bool = False
 
@@ -153,8 +157,9 @@ def make_policy(residual: str, n_layers: int, n_blocks: int = 1, block_source: s
 
     delta_block's block_source="paper" is the authors' computation exactly: Fig. 3's formula, committed
     after the boundary sublayer has read, no partial source (so the last block is never a source) and no read
-    at sublayer 0. With L = 8, K = 4 and B_k the sum of block k's outputs, sublayers 1-4 read [e], 5-8
-    [e, B0], 9-12 [e, B0, e+B1], 13-15 [e, B0, e+B1, B0+B2]. "boundary": a sublayer of block k reads
+    at sublayer 0 (with a null source, sublayer 0 reads only that). With L = 8, K = 4 and B_k the sum of block
+    k's outputs, sublayers 1-4 read [e], 5-8 [e, B0], 9-12 [e, B0, e+B1], 13-15 [e, B0, e+B1, B0+B2].
+    "boundary": a sublayer of block k reads
     [e, B0, .., B_{k-1}], plus the partial from the block's second sublayer on.
 
     sources="states" swaps every delta for the stream at the same place: a block method's sublayer of block k
@@ -166,7 +171,8 @@ def make_policy(residual: str, n_layers: int, n_blocks: int = 1, block_source: s
     paper = block_source == "paper"
     delta_block = Policy(read="add", boundaries=blocks, sources=sources, block_source=block_source,
                          commit_after_read=paper, include_partial=include_partial and not paper,
-                         reads_from=int(paper), null_source=null_source)
+                         reads_from=int(paper and not null_source), sources_from=int(paper),
+                         null_source=null_source)
     policies = {
         "baseline": Policy(read="none"),
         "attnres": Policy(read="replace", boundaries=blocks, sources=sources, null_source=null_source,
@@ -219,7 +225,7 @@ class DepthState:
 
     def candidates(self, router: Router) -> list[Tensor]:
         """The sources `router` reads now: committed ones, the partial, the null source."""
-        srcs = list(self.sources)
+        srcs = list(self.sources) if self.l >= self.policy.sources_from else []
         if self.partial is not None and self.policy.include_partial:
             srcs.append(self.new_source())
         if self.policy.null_source:

@@ -288,6 +288,8 @@ class GroupedDepthState(DepthState):
         fine = all(commits[1:n_sublayers - self.policy.reads_from])
         size = group_size or (fine_group_size(n_sublayers, self.h.shape[-1]) if fine else 1)
         self.plan = plan_groups(commits, size)
+        for receiver in range(self.policy.sources_from - self.policy.reads_from):
+            self.plan[receiver] = -1      # reads only the null source: the reference's few torch ops, no group
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
         self.block_start = self.h         # (B, T, d) h~ at the last commit
@@ -375,7 +377,7 @@ class GroupedDepthState(DepthState):
     # address tables: a graph traced around the whole model breaks here instead of tracing them.
     @torch.compiler.disable
     def input(self, norm: nn.Module | None = None) -> Tensor:
-        if norm is None or not self.reads():
+        if norm is None or not self.reads() or self.l < self.policy.sources_from:
             return super().input(norm)
         self.commit()
         return self._read(norm, add=self.policy.read == "add")

@@ -236,6 +236,8 @@ METHODS = [dict(residual="attnres", n_blocks=2), dict(residual="attnres", n_bloc
            dict(residual="delta_block", n_blocks=2, include_partial=False),
            dict(residual="delta_block", n_blocks=2, null_source=True, gate=True),
            dict(residual="delta_block", n_blocks=2, null_source=True, learned_null=True, block_split="ceil"),
+           dict(residual="delta_block", n_blocks=2, block_source="paper", null_source=True, learned_null=True,
+                gate=True),
            dict(residual="attnres", n_blocks=3, sources="states"), dict(residual="delta", sources="states"),
            dict(residual="delta_block", n_blocks=3, sources="states", gate=True)]
 

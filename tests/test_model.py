@@ -139,6 +139,14 @@ def test_stub_trace_fine_grid_points(residual):
     assert stub_trace(residual=residual, sources="states") == [[state(i) for i in range(l + 1)] for l in range(16)]
 
 
+def test_stub_trace_paper_sources_with_a_null_source_read_it_at_sublayer_0():
+    """As the authors' code: with a null source, sublayer 0 reads only that (a zero vector here: the stub names
+    it ""), and every later read ends with it."""
+    e, b0, b1 = ["e"], ["e", "B0"], ["e", "B0", "e+B1"]
+    want = [[]] + [e] * 4 + [b0] * 4 + [b1] * 4 + [b1 + ["B0+B2"]] * 3
+    assert stub_trace(residual="delta_block", block_source="paper", null_source=True) == [w + [""] for w in want]
+
+
 def test_stub_trace_paper_sources_with_one_block_read_only_the_embedding():
     assert stub_trace(residual="delta_block", block_source="paper", n_blocks=1) == [None] + [["e"]] * 15
 
