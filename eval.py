@@ -8,10 +8,10 @@ analysis and samples.
     python eval.py CKPT --sample "ROMEO:" --temperature=0.8 --top_k=40
 
 CKPT is a checkpoint file that train.py writes, a sharded FSDP checkpoint folder (ckpt_*/ with meta.json), an
-out_dir (its newest checkpoint), or a Hugging Face Qwen3 folder (trained.py reads each). Perplexity and task
-results go to a JSON next to the checkpoint (ckpt_0000600.eval.json; eval.json in a Qwen3 folder). Tasks run
-through lm_eval_adapter.py, the routing analysis is routing_analysis.py's (it writes OUT.json, OUT_depth.png
-and OUT_matrix.png), samples are sample.py's.
+out_dir (its newest checkpoint), or a Hugging Face Qwen3 folder (infra/trained.py reads each). Perplexity and
+task results go to a JSON next to the checkpoint (ckpt_0000600.eval.json; eval.json in a Qwen3 folder). Tasks
+run through infra/lm_eval_adapter.py, the routing analysis is infra/routing_analysis.py's (it writes OUT.json,
+OUT_depth.png and OUT_matrix.png), samples are infra/generation.py's (as sample.py's).
 """
 from __future__ import annotations
 
@@ -44,17 +44,17 @@ def load_tokens(ckpt: dict, model: Model, path: str | None, split: str) -> tuple
             return [np.asarray(tok.encode(f.read()), dtype=np.int64)], tok.name
     directory = path or trained.run_data_dir(ckpt)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--data={directory}: neither a text file nor a shard directory")
-    meta = shards.load_meta(directory)
+        raise cli.NotFoundError(f"--data={directory}: neither a text file nor a shard directory")
+    meta = shards.load_meta(directory, model.cfg.vocab_size)
     if path is not None and ckpt.get("train_config", {}).get("data") is not None:
-        trained_on = shards.load_meta(trained.run_data_dir(ckpt))["tokenizer"]
+        trained_on = shards.load_meta(trained.run_data_dir(ckpt), model.cfg.vocab_size)["tokenizer"]
         if trained_on != meta["tokenizer"]:
-            raise ValueError(f"{directory} was tokenised with {meta['tokenizer']!r} but the model was trained on "
-                             f"{trained_on!r} tokens: the vocabularies do not match")
+            raise shards.DataError(f"{directory} was tokenised with {meta['tokenizer']!r} but the model was "
+                                   f"trained on {trained_on!r} tokens: the vocabularies do not match")
     shards.check_vocab(meta, model.cfg.vocab_size)
     names = sorted(p for p in os.listdir(directory) if p.startswith(f"{split}_") and p.endswith(".bin"))
     if not names:
-        raise FileNotFoundError(f"no {split}_*.bin shards in {directory}")
+        raise cli.NotFoundError(f"no {split}_*.bin shards in {directory}")
     return [shards.read_shard(os.path.join(directory, p)) for p in names], meta["tokenizer"]
 
 
@@ -68,7 +68,7 @@ def perplexity(model: Model, token_arrays: list[np.ndarray], seq_len: int, batch
     if max_tokens is not None:
         chunks = chunks[:max(1, max_tokens // seq_len)]
     if not chunks:
-        raise ValueError("no tokens to evaluate: the data needs at least 2 tokens")
+        raise shards.DataError("no tokens to evaluate: the data needs at least 2 tokens")
     total, n_targets, n_bytes = 0.0, 0, 0
     # Batches of equal-length windows; only a shard's last window can be shorter.
     groups: dict[int, list[np.ndarray]] = {}
@@ -79,7 +79,8 @@ def perplexity(model: Model, token_arrays: list[np.ndarray], seq_len: int, batch
         spans = torch.from_numpy(np.stack(batch).astype(np.int64)).to(device)    # (B, T+1)
         x, y = spans[:, :-1], spans[:, 1:]
         if int(spans.max()) >= model.cfg.vocab_size:
-            raise ValueError(f"token id {int(spans.max())} is outside the model's vocab_size {model.cfg.vocab_size}")
+            raise shards.DataError(f"token id {int(spans.max())} is outside the model's vocab_size "
+                                   f"{model.cfg.vocab_size}")
         with distributed.autocast(device):
             logits = model(x)                                                       # (B, T, V)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -115,14 +116,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="checkpoint files or folders, out_dirs (newest checkpoint), Qwen3 folders")
     p.add_argument("--data", help="a shard directory or a text file (default: the run's held-out split)")
     p.add_argument("--split", default="val")
-    p.add_argument("--seq_len", type=int, help="evaluation window (default: the run's training seq_len)")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--max_tokens", type=int, help="evaluate at most this many tokens")
+    p.add_argument("--seq_len", type=cli.positive_int, help="evaluation window (default: the run's training seq_len)")
+    p.add_argument("--batch_size", type=cli.positive_int, default=8)
+    p.add_argument("--max_tokens", type=cli.positive_int, help="evaluate at most this many tokens")
     p.add_argument("--tasks", help="comma-separated lm-eval task names or task YAML files")
     p.add_argument("--num_fewshot", type=int, default=0)
     p.add_argument("--limit", type=int, help="at most this many documents per task")
     p.add_argument("--routing", action="store_true", help="routing analysis: JSON and PNG plots")
-    p.add_argument("--routing_windows", type=int, default=16, help="held-out windows to record routing over")
+    p.add_argument("--routing_windows", type=cli.positive_int, default=16, help="held-out windows to record routing over")
     p.add_argument("--out", help="routing output prefix (default: <first out_dir>/routing)")
     p.add_argument("--sample", metavar="PROMPT", help="generate text after PROMPT")
     p.add_argument("--max_new_tokens", type=int, default=200)

@@ -5,7 +5,7 @@
     python finetune.py export out/ft_qwen3_0p6b_baseline/ckpt_0020000.pt out/qwen3_0p6b_ft_hf \\
         --source=checkpoints/Qwen3-0.6B          # a fine-tuned baseline back to a Hugging Face folder
 
-The pretrained folder is read by hf_qwen3.py, which adds routers at their initialisation; `export` writes a
+The pretrained folder is read by infra/hf_qwen3.py, which adds routers at their initialisation; `export` writes a
 fine-tuned baseline back through it. The text is tokenised once with the checkpoint's own tokenizer. The
 fine-tuning run reuses train.py's loop with separate optimizer groups: routers at router_lr_scale x the
 backbone's lr and no weight decay. Before the first step it measures how far the converted model is from the
@@ -36,7 +36,7 @@ from infra import files
 from infra import shards
 import train
 from infra import trained
-from infra.config import NON_NEGATIVE, TrainConfig, check_ranges, load_config
+from infra.config import NON_NEGATIVE, ConfigError, TrainConfig, check_ranges, load_config
 from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
 from model import Model, ModelConfig
 from router import make_policy
@@ -70,13 +70,13 @@ def read_texts(source: str) -> Iterator[str]:
     if os.path.isdir(source):
         paths = sorted(glob.glob(os.path.join(source, "*.txt")) + glob.glob(os.path.join(source, "*.jsonl")))
         if not paths:
-            raise FileNotFoundError(f"text folder {source} has no .txt or .jsonl files")
+            raise cli.NotFoundError(f"text folder {source} has no .txt or .jsonl files")
     elif os.path.isfile(source):
         if not source.endswith((".txt", ".jsonl")):
-            raise ValueError(f"text={source!r}: expected a .txt or .jsonl file, a folder of them, or 'fineweb'")
+            raise ConfigError(f"text={source!r}: expected a .txt or .jsonl file, a folder of them, or 'fineweb'")
         paths = [source]
     else:
-        raise FileNotFoundError(f"text={source!r}: no such file or folder (or use text='fineweb')")
+        raise cli.NotFoundError(f"text={source!r}: no such file or folder (or use text='fineweb')")
     for path in paths:
         with open(path, encoding="utf-8") as f:
             if path.endswith(".txt"):
@@ -84,9 +84,12 @@ def read_texts(source: str) -> Iterator[str]:
                 continue
             for n, line in enumerate(f, 1):
                 if line.strip():
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        row = None
                     if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                        raise ValueError(f"{path}:{n}: expected a JSON object with a string field 'text'")
+                        raise shards.DataError(f"{path}:{n}: expected a JSON object with a string field 'text'")
                     yield row["text"]
 
 
@@ -99,7 +102,8 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     """
     tokenizer = os.path.join(ft.init_from, "tokenizer.json")
     if not os.path.isfile(tokenizer):
-        raise FileNotFoundError(f"{tokenizer} not found: the text is tokenised with the checkpoint's own tokenizer")
+        raise cli.NotFoundError(f"{tokenizer} not found: the text is tokenised with the checkpoint's own "
+                                "tokenizer")
     with open(tokenizer, "rb") as f:
         stamp = {"tokenizer_sha256": hashlib.sha256(f.read()).hexdigest(), "text": ft.text,
                  "max_tokens": ft.text_max_tokens, "val_docs": ft.text_val_docs}
@@ -110,8 +114,8 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     if os.path.isfile(meta_path):
         found = files.read_json(stamp_path) if os.path.isfile(stamp_path) else "unknown settings"
         if found != stamp:
-            raise ValueError(f"data={out_dir} holds shards prepared from {found}, not {stamp}: "
-                             "choose another data= folder or delete it")
+            raise shards.DataError(f"data={out_dir} holds shards prepared from {found}, not {stamp}: "
+                                   "choose another data= folder or delete it")
         return shards.load_meta(out_dir)
     if os.path.isfile(stamp_path):  # left by an interrupted preparation; must not release the other ranks
         os.remove(stamp_path)
@@ -119,8 +123,8 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     meta = corpus.prepare_fineweb(out_dir, tokenizer=tokenizer, tokenizer_path=tokenizer, texts=texts,
                                 max_tokens=ft.text_max_tokens or None, val_docs=ft.text_val_docs)
     if meta["train_tokens"] == 0 or meta["val_tokens"] == 0:
-        raise ValueError(f"text={ft.text!r} gave {meta['n_val_docs']} validation and {meta['n_train_docs']} training "
-                         f"documents (text_val_docs={ft.text_val_docs}): both splits need text")
+        raise shards.DataError(f"text={ft.text!r} gave {meta['n_val_docs']} validation and {meta['n_train_docs']} "
+                               f"training documents (text_val_docs={ft.text_val_docs}): both splits need text")
     files.write_json(stamp_path, stamp)
     return meta
 
@@ -141,7 +145,7 @@ def finetune_param_groups(model: Model, cfg: TrainConfig, ft: FinetuneConfig) ->
     if routers:
         groups.append({"params": routers, "weight_decay": 0.0, "lr_scale": ft.router_lr_scale})
     if not groups:
-        raise ValueError("nothing to train: freeze_backbone=True and residual='baseline' has no routers")
+        raise ConfigError("nothing to train: freeze_backbone=True and residual='baseline' has no routers")
     return groups
 
 
@@ -201,11 +205,11 @@ def main(argv: list[str]) -> dict:
         return export(argv[1:])
     model_cfg, cfg, ft = load_config(argv, classes=(ModelConfig, TrainConfig, FinetuneConfig))
     if not ft.init_from:
-        raise ValueError("--init_from=PATH is required: a Hugging Face Qwen3 folder (config.json, safetensors, "
-                         "tokenizer.json)")
+        raise ConfigError("--init_from=PATH is required: a Hugging Face Qwen3 folder (config.json, safetensors, "
+                          "tokenizer.json)")
     if cfg.data == "shakespeare":
-        raise ValueError("data='shakespeare' is byte-level; set data= to a folder for shards of `text` tokenised "
-                         "with the checkpoint's tokenizer")
+        raise ConfigError("data='shakespeare' is byte-level; set data= to a folder for shards of `text` tokenised "
+                          "with the checkpoint's tokenizer")
     rank = int(os.environ.get("RANK", "0"))
     model = load_hf_qwen3(ft.init_from, **routing_overrides(model_cfg))
     prepare_text(ft, cfg.data, rank)

@@ -7,7 +7,7 @@ model, optimizer, loader, step, model_config, train_config and data (the tokeniz
 shards), and `load_checkpoint` reads either kind into that dict, so eval.py and finetune.py read both. To turn
 a sharded folder into one file (to copy or share it):
 
-    python checkpoint.py consolidate out/run/ckpt_0001000            # -> out/run/ckpt_0001000.full.pt
+    python -m infra.checkpoint consolidate out/run/ckpt_0001000     # -> out/run/ckpt_0001000.full.pt
 
 Safety rules, each checked where the file is read or written:
 - Files are read with `torch.load(weights_only=True)`: tensors and plain data only. A file that needs any
@@ -17,6 +17,10 @@ Safety rules, each checked where the file is read or written:
   torch's reader unpickles the folder's `.metadata`. `newest_intact` skips damaged checkpoints.
 - A checkpoint is written under a temporary name, synced to disk and renamed (files.atomic_write), and only
   when every weight and optimizer value is finite.
+A checkpoint that fails a check raises CheckpointError (a cli.UserError): one line for the user.
+
+Only public torch.distributed.checkpoint APIs are used: get_state_dict / set_state_dict, dcp.save / dcp.load,
+FileSystemReader and its read_metadata.
 """
 from __future__ import annotations
 
@@ -27,16 +31,14 @@ import re
 import shutil
 import sys
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 from infra import cli
@@ -47,8 +49,9 @@ _CKPT_NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
 META = "meta.json"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: damaged, truncated, changed after it was written, or not this project's."""
+class CheckpointError(cli.UserError, ValueError):
+    """A checkpoint (or pretrained folder) that cannot be used: damaged, truncated, changed after it was written,
+    not this project's, or holding what this model.py cannot represent."""
 
 
 def checkpoint_paths(out_dir: str) -> list[str]:
@@ -101,11 +104,6 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _unverified(path: str) -> None:
-    warnings.warn(f"{path} has no checksum (written before checkpoints had one): loading it unverified",
-                  stacklevel=3)
-
-
 # ----------------------------------------------------------------------------------------------- one file
 
 def save_file(path: str, state: dict) -> None:
@@ -131,11 +129,10 @@ def _load_file(path: str) -> dict:
         raise CheckpointError(f"{path} is not a checkpoint this project writes: it holds a "
                               f"{type(state).__name__}, not a dict")
     if "checksum" not in state:
-        _unverified(path)
-    elif state["checksum"] != checksum(state):
+        raise CheckpointError(f"{path} is not a checkpoint this project writes: it has no checksum")
+    if state.pop("checksum") != checksum(state):
         raise CheckpointError(f"{path} is damaged: its content does not match its checksum (changed after it "
                               "was written: a disk, copy or transfer error?)")
-    state.pop("checksum", None)
     return state
 
 
@@ -146,10 +143,12 @@ def _verified_meta(path: str) -> dict:
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path} is not a finished sharded checkpoint (no {META})")
-    meta = files.read_json(meta_path)
-    if "checksum" not in meta:
-        _unverified(path)
-        return meta
+    try:
+        meta = files.read_json(meta_path)
+    except files.DamagedFileError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(meta, dict) or "checksum" not in meta or "files" not in meta:
+        raise CheckpointError(f"{path} is not a sharded checkpoint this project writes: its {META} has no checksum")
     if meta["checksum"] != checksum(meta):
         raise CheckpointError(f"{meta_path} is damaged: its content does not match its checksum")
     for name, digest in meta["files"].items():
@@ -172,7 +171,9 @@ def _hash_folder(ctx: distributed.Context, path: str) -> dict[str, str]:
     return {name: digest for part in parts for name, digest in part.items()}
 
 
-def _save_folder(ctx: distributed.Context, state: dict, path: str, meta: dict) -> None:
+def save_folder(ctx: distributed.Context, state: dict, path: str, meta: dict) -> None:
+    """Collective: a sharded checkpoint folder of every rank's `state` (torch.distributed.checkpoint) with
+    meta.json (`meta`, the SHA-256 of every file, and its checksum), written under path.tmp and renamed."""
     tmp = path + ".tmp"
     if ctx.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a crashed save
@@ -192,13 +193,38 @@ def _save_folder(ctx: distributed.Context, state: dict, path: str, meta: dict) -
 def _load_folder(path: str) -> dict:
     """A sharded folder consolidated in memory (no process group needed)."""
     meta = _verified_meta(path)
-    state: dict = {}
-    # As format_utils.dcp_to_torch_save does: the empty planner fills `state` with every stored tensor.
+    reader = dcp.FileSystemReader(path)
+    state = _empty_state(reader.read_metadata())
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {**state, **meta}
+
+
+def _empty_state(metadata: Metadata) -> dict:
+    """The nested state a folder holds, with empty tensors (and None for other values) for dcp.load to fill.
+
+    dcp.load fills a state whose keys it is given; the folder's metadata lists them: each stored value by its
+    flattened key, with planner_data holding the path of keys (str) and list indices (int) it came from."""
+    tree: dict = {}
+    for key, item in metadata.state_dict_metadata.items():
+        *parents, leaf = (metadata.planner_data or {}).get(key, (key,))
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        is_tensor = isinstance(item, TensorStorageMetadata)
+        node[leaf] = torch.empty(item.size, dtype=item.properties.dtype) if is_tensor else None
+    return _as_lists(tree)
+
+
+def _as_lists(node: Any) -> Any:
+    """`node` with every dict whose keys are the list indices 0..n-1 turned back into that list."""
+    if not isinstance(node, dict):
+        return node
+    node = {key: _as_lists(value) for key, value in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        return [node[i] for i in range(len(node))]
+    return node
 
 
 # ------------------------------------------------------------------------------------------- either kind
@@ -209,7 +235,7 @@ def load_checkpoint(path: str) -> dict:
     if os.path.isdir(path):
         return _load_folder(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise cli.NotFoundError(f"no checkpoint at {path}")
     return _load_file(path)
 
 
@@ -227,7 +253,7 @@ def newest_intact(out_dir: str, set_aside: bool = False) -> tuple[str, dict]:
     kept checkpoints; nothing is deleted."""
     paths = checkpoint_paths(out_dir)
     if not paths:
-        raise FileNotFoundError(f"no checkpoint (ckpt_*.pt or ckpt_*/) in {out_dir}")
+        raise cli.NotFoundError(f"no checkpoint (ckpt_*.pt or ckpt_*/) in {out_dir}")
     unusable = []
     for path in reversed(paths):
         try:
@@ -259,34 +285,34 @@ def save(ctx: distributed.Context, model: nn.Module, optimizer: torch.optim.Opti
     `path + ".pt"` (from rank 0); returns the path written. A non-finite weight or optimizer value raises
     FloatingPointError on every rank and nothing is written."""
     raw = distributed.unwrap(model)
-    state = {"model": get_model_state_dict(raw), "optimizer": get_optimizer_state_dict(raw, optimizer)}
+    model_state, optimizer_state = get_state_dict(raw, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
     sharded = isinstance(raw, FSDPModule)
     target = path if sharded else path + ".pt"
     if not _all_finite(ctx, state):
         raise FloatingPointError(f"the weights or optimizer state hold NaN or inf: {target} was not written")
     if sharded:
-        _save_folder(ctx, state, path, meta)
+        save_folder(ctx, state, path, meta)
     elif ctx.is_main:
         save_file(target, {**state, **meta})
     distributed.barrier(ctx)
     return target
 
 
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, loaded: dict | None = None) -> None:
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """Fill model and optimizer from either kind, whatever the current world size: a sharded folder is
-    resharded by torch.distributed.checkpoint; a file (or its `loaded` content) is loaded whole on every rank.
-    A folder is read as it is: verify it first (newest_intact or read_meta)."""
+    resharded by torch.distributed.checkpoint; a file is loaded whole on every rank. A folder is read as it
+    is: verify it first (newest_intact or read_meta)."""
     raw = distributed.unwrap(model)
     if isinstance(raw, FSDPModule) and os.path.isdir(path):
-        state = {"model": get_model_state_dict(raw), "optimizer": get_optimizer_state_dict(raw, optimizer)}
+        model_state, optimizer_state = get_state_dict(raw, optimizer)  # this rank's shards, to be filled
+        state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(raw, state["model"])
-        set_optimizer_state_dict(raw, optimizer, state["optimizer"])
+        set_state_dict(raw, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return
-    full = loaded if loaded is not None and "model" in loaded else load_checkpoint(path)
-    options = StateDictOptions(full_state_dict=isinstance(raw, FSDPModule))
-    set_model_state_dict(raw, full["model"], options=options)
-    set_optimizer_state_dict(raw, optimizer, full["optimizer"], options=options)
+    full = load_checkpoint(path)
+    set_state_dict(raw, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
+                   options=StateDictOptions(full_state_dict=isinstance(raw, FSDPModule)))
 
 
 def consolidate(directory: str, out_path: str | None = None) -> str:
@@ -306,7 +332,9 @@ def remove(path: str) -> None:
 
 def main(argv: list[str]) -> str:
     if len(argv) not in (2, 3) or argv[0] != "consolidate":
-        raise ValueError("usage: python checkpoint.py consolidate CKPT_DIR [OUT.pt]")
+        raise cli.UsageError("usage: python -m infra.checkpoint consolidate CKPT_DIR [OUT.pt]")
+    if not os.path.isdir(argv[1]):
+        raise cli.NotFoundError(f"{argv[1]} is not a sharded checkpoint folder (ckpt_*/ with {META})")
     path = consolidate(*argv[1:])
     print(path)
     return path

@@ -1,39 +1,57 @@
-"""How the command-line programs (train, finetune, eval, sample, data, checkpoint) end.
+"""How the command-line programs (train, finetune, eval, sample, data, `python -m infra.checkpoint`) end.
 
-A mistake in what the user gave (a config value, a path, a damaged file) prints one line that names it, with
-no traceback, and exits with status 1; under torchrun only rank 0 prints it, since every rank meets the same
-mistake. Anything else is a bug and keeps Python's full traceback.
+A mistake in what the user gave (a config value, a command-line argument, a path, a damaged file) raises a
+UserError: `run` prints it as one line, `prog: error: message`, with no traceback, and exits with status 1;
+under torchrun only rank 0 prints it, since every rank meets the same mistake. Anything else is a bug and keeps
+Python's full traceback. The exception's type decides, as in argparse and click: not where it was raised, so a
+helper function may raise a UserError for its caller.
 
-The rule that tells them apart: a user error is an exception raised by one of this repository's own `raise`
-statements, which are written for users and name the problem. An exception raised inside torch, numpy or
-Python itself (an IndexError, a shape mismatch, a failed assertion) is not.
+Library code (model.py, router.py, kernels/) knows nothing of users and raises ValueError; where user input
+reaches it (a ModelConfig made from a config file or a checkpoint's model_config), the caller turns that
+ValueError into a UserError with the same message (config.checked).
+
+The subclasses below name a kind of mistake and also derive from the builtin exception of that kind, so that
+`except FileNotFoundError` still catches a missing file. Others live where their mistakes are found:
+config.ConfigError, shards.DataError, checkpoint.CheckpointError, files.DamagedFileError. Command-line
+arguments that argparse reads are argparse's to refuse (positive_int is a type for it).
 """
 from __future__ import annotations
 
-import linecache
+import argparse
 import os
 import sys
-import traceback
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+
+class UserError(Exception):
+    """A mistake in what the user gave, described in full by its one-line message (see the module doc)."""
 
 
-def is_user_error(error: BaseException) -> bool:
-    """Whether `error` comes from a `raise` statement in this repository's code (see the module doc)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return False
-    origin = frames[-1]
-    relative = os.path.relpath(os.path.abspath(origin.filename), ROOT)
-    if relative.startswith("..") or "site-packages" in relative.split(os.sep):
-        return False
-    return linecache.getline(origin.filename, origin.lineno).lstrip().startswith("raise ")
+class UsageError(UserError, ValueError):
+    """A setting or command-line argument that is not allowed (config.ConfigError: one in a config)."""
 
 
-def message(error: BaseException) -> str:
-    # str(KeyError("x")) is "'x'": show the text as written.
-    return error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
+class NotFoundError(UserError, FileNotFoundError):
+    """A file or folder that the user named, or that an earlier step should have made, does not exist."""
+
+
+class InUseError(UserError, FileExistsError):
+    """A folder that another process or another run holds."""
+
+
+class MissingPackageError(UserError, ModuleNotFoundError):
+    """An optional package that a chosen option needs is not installed."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: an integer >= 1; argparse reports anything else as a usage error of its own."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed values are integers >= 1")
+    return value
 
 
 def run(main: Callable[[list[str]], object]) -> None:
@@ -47,10 +65,8 @@ def run(main: Callable[[list[str]], object]) -> None:
         if speaks:
             print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as error:
-        if not is_user_error(error):
-            raise
+    except UserError as error:
         if speaks:
-            print(f"{prog}: error: {message(error)}", file=sys.stderr)
+            print(f"{prog}: error: {error}", file=sys.stderr)
         sys.exit(1)
     sys.exit(status if isinstance(status, int) else 0)

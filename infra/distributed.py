@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from infra import cli
 from model import Model
 
 PARALLEL = ("ddp", "fsdp")
@@ -61,9 +62,12 @@ class Context:
 def pick_device(name: str = "auto") -> torch.device:
     """The one device rule: "auto" is CUDA when it is available, else the CPU; any other name (cpu, cuda,
     cuda:1) is taken as given. CUDA without an index is this process's GPU: LOCAL_RANK's under torchrun."""
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    try:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    except RuntimeError:  # what torch raises for a string that names no device
+        raise cli.UsageError(f"device={name!r}: allowed values are auto, cpu, cuda, cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name!r} but CUDA is not available")
+        raise cli.UsageError(f"device={name!r} but CUDA is not available here: use device=cpu or auto")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
@@ -72,7 +76,7 @@ def pick_device(name: str = "auto") -> torch.device:
 def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
     """The dtype of the matrix multiplies under the precision rule (the module's docstring)."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: allowed values are {', '.join(PRECISIONS)}")
+        raise cli.UsageError(f"precision={precision!r}: allowed values are {', '.join(PRECISIONS)}")
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     return torch.bfloat16 if precision == "bf16" else torch.float32
@@ -91,7 +95,7 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> Context:
     timeout_s: how long a collective waits for the other ranks before it fails, so that a rank that hung or
     died ends the job instead of blocking the others indefinitely."""
     if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r}: allowed values are auto, cpu, cuda")
+        raise cli.UsageError(f"device={device!r}: allowed values are auto, cpu, cuda")
     dev = pick_device(device)
     use_cuda = dev.type == "cuda"
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
@@ -124,23 +128,24 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 def on_main(ctx: Context, fn: Callable[[], T]) -> T:
     """Collective: fn() runs on rank 0 only and every rank gets its (picklable) result. If it raises, rank 0
-    raises that error and the other ranks raise one that quotes it, so no rank is left waiting for rank 0
-    in a later collective."""
+    raises that error and the other ranks raise one that quotes it (a cli.UserError if rank 0's is one, so
+    that no rank prints a traceback for the user's mistake), so no rank is left waiting for rank 0 in a later
+    collective."""
     if ctx.world_size == 1:
         return fn()
     box: list = [None]
     error = None
     if ctx.is_main:
         try:
-            box = [("ok", fn())]
+            box = [("ok", fn(), False)]
         except Exception as e:
-            error, box = e, [("error", f"{type(e).__name__}: {e}")]
+            error, box = e, [("error", f"{type(e).__name__}: {e}", isinstance(e, cli.UserError))]
     dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error
-    status, value = box[0]
+    status, value, user_error = box[0]
     if status == "error":
-        raise RuntimeError(f"rank 0 failed: {value}")
+        raise (cli.UserError if user_error else RuntimeError)(f"rank 0 failed: {value}")
     return value
 
 
@@ -232,7 +237,7 @@ def check_compile_backend(backend: str) -> None:
     import torch._dynamo  # only when compiling: importing dynamo costs a second
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
-        raise ValueError(f"compile_backend={backend!r}: allowed values are {', '.join(sorted(known))}")
+        raise cli.UsageError(f"compile_backend={backend!r}: allowed values are {', '.join(sorted(known))}")
 
 
 def parallelize(model: Model, parallel: str, ctx: Context, *, activation_checkpointing: bool = False,
@@ -240,7 +245,7 @@ def parallelize(model: Model, parallel: str, ctx: Context, *, activation_checkpo
     """Apply compilation, activation checkpointing (around the compiled forwards), then DDP or FSDP2.
     Returns the module to call; its parameter names (and, except under FSDP, objects) are `model`'s."""
     if parallel not in PARALLEL:
-        raise ValueError(f"parallel={parallel!r}: allowed values are {', '.join(PARALLEL)}")
+        raise cli.UsageError(f"parallel={parallel!r}: allowed values are {', '.join(PARALLEL)}")
     if compile:
         check_compile_backend(compile_backend)
         # Under DDP dynamo would cut every compiled graph at DDP's gradient-bucket boundaries (optimize_ddp),

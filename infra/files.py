@@ -21,6 +21,12 @@ import sys
 import uuid
 from typing import Any, Callable, Iterator
 
+from infra import cli
+
+
+class DamagedFileError(cli.UserError, ValueError):
+    """A file whose content cannot be read as what it should be (JSON that does not parse)."""
+
 
 def fsync_path(path: str) -> None:
     """Force a file's data, or a directory's entries, to disk."""
@@ -61,15 +67,15 @@ def read_json(path: str) -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): a damaged or hand-edited file?") from None
+        raise DamagedFileError(f"{path} is not valid JSON ({e}): a damaged or hand-edited file?") from None
 
 
 @contextlib.contextmanager
 def locked(path: str, *, wait: bool, holder_of: str) -> Iterator[None]:
     """Hold an exclusive lock on `path` (created if needed) for the duration of the block.
 
-    wait=False: if another process holds it, raise FileExistsError naming that process and `holder_of` (what
-    the lock protects). wait=True: say who holds it on stderr and wait for it.
+    wait=False: if another process holds it, raise cli.InUseError (a FileExistsError) naming that process and
+    `holder_of` (what the lock protects). wait=True: say who holds it on stderr and wait for it.
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a+") as f:
@@ -79,7 +85,7 @@ def locked(path: str, *, wait: bool, holder_of: str) -> Iterator[None]:
             f.seek(0)
             holder = f.read().strip() or "another process"
             if not wait:
-                raise FileExistsError(f"{holder_of} is in use by {holder} (lock file {path})") from None
+                raise cli.InUseError(f"{holder_of} is in use by {holder} (lock file {path})") from None
             print(f"waiting for {holder}, which holds {path} ({holder_of})", file=sys.stderr, flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from infra import cli
 from model import KVCache, Model
 
 
@@ -37,7 +38,8 @@ def generate(model: Model, idx: Tensor, max_new_tokens: int, temperature: float 
     within the length the model was trained on and a rebuild happens once every context // 2 tokens.
     """
     if temperature < 0 or (top_k is not None and top_k < 1) or context < 2:
-        raise ValueError(f"need temperature >= 0, top_k >= 1 and context >= 2; got {temperature}, {top_k}, {context}")
+        raise cli.UsageError(f"need temperature >= 0, top_k >= 1 and context >= 2; got {temperature}, {top_k}, "
+                             f"{context}")
     model.eval()
     cache = pending = None                                                     # pending: tokens not yet cached
     for _ in range(max_new_tokens):
@@ -60,8 +62,8 @@ def sample_text(model: Model, tokenizer, prompt: str, max_new_tokens: int = 200,
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) or [tokenizer.eot]
     if max(ids) >= model.cfg.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer.name!r} produced id {max(ids)} but the model's vocab_size is "
-                         f"{model.cfg.vocab_size}")
+        raise cli.UserError(f"tokenizer {tokenizer.name!r} produced id {max(ids)} but the model's vocab_size is "
+                            f"{model.cfg.vocab_size}")
     generator = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     out = [t.item() for t in generate(model, idx, max_new_tokens, temperature, top_k, context, use_cache, generator)]

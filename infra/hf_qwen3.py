@@ -16,7 +16,10 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from infra import cli
 from infra import files
+from infra.checkpoint import CheckpointError
+from infra.config import ConfigError, checked
 from model import Model, ModelConfig
 
 # ModelConfig fields that come from config.json; the others (routing) are the user's to choose.
@@ -39,20 +42,20 @@ def _rope_theta(hf: dict) -> float:
         if source is None:
             continue
         if not isinstance(source, dict) or any(isinstance(v, dict) for v in source.values()):
-            raise ValueError(f"unsupported RoPE settings {source!r}: expected one dict of default RoPE parameters")
+            raise CheckpointError(f"unsupported RoPE settings {source!r}: expected one dict of default RoPE parameters")
         kind = source.get("rope_type", source.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"unsupported RoPE scaling {kind!r}: model.py implements only default RoPE "
-                             "(no yarn / linear / dynamic scaling)")
+            raise CheckpointError(f"unsupported RoPE scaling {kind!r}: model.py implements only default RoPE "
+                                  "(no yarn / linear / dynamic scaling)")
         if "rope_theta" in source:
             thetas.append(float(source["rope_theta"]))
     if "rope_theta" in hf:
         thetas.append(float(hf["rope_theta"]))
     if not thetas:
-        raise ValueError("config.json gives no rope_theta (neither at the top level nor in rope_parameters)")
+        raise CheckpointError("config.json gives no rope_theta (neither at the top level nor in rope_parameters)")
     if len(set(thetas)) > 1:
-        raise ValueError(f"config.json gives conflicting RoPE bases {sorted(set(thetas))} "
-                         "(rope_theta vs rope_parameters.rope_theta)")
+        raise CheckpointError(f"config.json gives conflicting RoPE bases {sorted(set(thetas))} "
+                              "(rope_theta vs rope_parameters.rope_theta)")
     return thetas[0]
 
 
@@ -60,13 +63,14 @@ def _check_supported(hf: dict) -> None:
     """Fail on anything model.py would silently compute differently."""
     kind = hf.get("model_type")
     if kind == "qwen3_moe" or hf.get("num_experts") or hf.get("num_local_experts"):
-        raise ValueError(f"unsupported config: mixture of experts (model_type={kind!r}); model.py has dense MLPs only")
+        raise CheckpointError(f"unsupported config: mixture of experts (model_type={kind!r}); model.py has dense "
+                              "MLPs only")
     if kind != "qwen3":
-        raise ValueError(f"unsupported config: model_type={kind!r}, expected 'qwen3'")
+        raise CheckpointError(f"unsupported config: model_type={kind!r}, expected 'qwen3'")
     if hf.get("attention_bias"):
-        raise ValueError("unsupported config: attention_bias=true; model.py's projections have no bias")
+        raise CheckpointError("unsupported config: attention_bias=true; model.py's projections have no bias")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported config: hidden_act={hf['hidden_act']!r}; model.py's MLP is SwiGLU (silu)")
+        raise CheckpointError(f"unsupported config: hidden_act={hf['hidden_act']!r}; model.py's MLP is SwiGLU (silu)")
     n_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
     if layer_types is None:  # transformers' rule when layer_types is absent
@@ -75,8 +79,8 @@ def _check_supported(hf: dict) -> None:
         layer_types = ["sliding_attention" if sliding and i >= start else "full_attention" for i in range(n_layers)]
     windowed = [i for i, t in enumerate(layer_types) if t != "full_attention"]
     if windowed:
-        raise ValueError(f"unsupported config: sliding-window attention in layers {windowed}; "
-                         "model.py attends over the full causal context")
+        raise CheckpointError(f"unsupported config: sliding-window attention in layers {windowed}; "
+                              "model.py attends over the full causal context")
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -84,7 +88,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     field in `overrides` must agree with config.json (the weights fix it)."""
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in hf:
-            raise ValueError(f"config.json lacks {key!r}")
+            raise CheckpointError(f"config.json lacks {key!r}")
     _check_supported(hf)
     n_heads = hf["num_attention_heads"]
     arch = {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
@@ -97,9 +101,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         raise KeyError(f"unknown ModelConfig field(s) {sorted(unknown)}")
     for key, value in overrides.items():
         if key in arch and value != arch[key]:
-            raise ValueError(f"{key}={value!r} conflicts with the checkpoint's config.json "
-                             f"{ARCH_KEYS[key]}={arch[key]!r}; the architecture is read from the checkpoint")
-    return ModelConfig(**{**arch, **overrides})
+            raise ConfigError(f"{key}={value!r} conflicts with the checkpoint's config.json "
+                              f"{ARCH_KEYS[key]}={arch[key]!r}; the architecture is read from the checkpoint")
+    return checked(ModelConfig, {**arch, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------- weights
@@ -116,7 +120,7 @@ def _weight_files(path: str) -> list[str]:
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json "
+    raise cli.NotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json "
                             "(only safetensors checkpoints are read)")
 
 
@@ -129,7 +133,7 @@ def load_hf_qwen3(path: str, *, dtype: torch.dtype = torch.float32, **overrides)
     """
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: init_from must be a Hugging Face Qwen3 folder")
+        raise cli.NotFoundError(f"{config_path} not found: init_from must be a Hugging Face Qwen3 folder")
     cfg = model_config_from_hf(files.read_json(config_path), **overrides)
     with torch.device("meta"):
         model = Model(cfg)
@@ -143,18 +147,19 @@ def load_hf_qwen3(path: str, *, dtype: torch.dtype = torch.float32, **overrides)
                 if key.endswith("rotary_emb.inv_freq") or key in ignored:
                     continue  # recomputed from rope_theta / the tied embedding
                 if key not in expected:
-                    raise ValueError(f"{file}: unexpected tensor {key!r} (not part of a Qwen3 with this config.json)")
+                    raise CheckpointError(f"{file}: unexpected tensor {key!r} (not part of a Qwen3 with this "
+                                          "config.json)")
                 name = expected[key]
                 want = tuple(model.get_parameter(name).shape)
                 got = tuple(f.get_slice(key).get_shape())
                 if got != want:
-                    raise ValueError(f"{file}: tensor {key!r} has shape {got} but config.json implies {want}")
+                    raise CheckpointError(f"{file}: tensor {key!r} has shape {got} but config.json implies {want}")
                 module_name, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(module_name), leaf, nn.Parameter(f.get_tensor(key).to(dtype)))
                 loaded.add(key)
     missing = sorted(set(expected) - loaded)
     if missing:
-        raise ValueError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.routers.to_empty(device="cpu")
@@ -172,8 +177,8 @@ def save_hf_qwen3(model: Model, path: str, source: str | None = None, max_shard_
     """
     cfg = model.cfg
     if cfg.residual != "baseline":
-        raise ValueError(f"cannot save residual={cfg.residual!r} as a Hugging Face Qwen3: its routers and routed "
-                         "forward pass do not exist there; only residual='baseline' models can be saved this way")
+        raise cli.UsageError(f"cannot save residual={cfg.residual!r} as a Hugging Face Qwen3: its routers and routed "
+                             "forward pass do not exist there; only residual='baseline' models can be saved this way")
     hf = files.read_json(os.path.join(source, "config.json")) if source is not None else {}
     for key in ("rope_parameters", "rope_scaling", "layer_types", "dtype", "torch_dtype"):
         hf.pop(key, None)

@@ -11,6 +11,7 @@ import os
 import torch
 from tqdm import tqdm
 
+from infra import cli
 from infra import generation
 from model import Model
 
@@ -21,7 +22,7 @@ except ImportError:
 
 
 class HarnessLM(_HarnessBase):
-    """The lm-evaluation-harness LM interface over a Model and a data.py tokenizer.
+    """The lm-evaluation-harness LM interface over a Model and an infra/tokenizer.py tokenizer.
 
     Requests are scored in batches of similar length. An input longer than max_length keeps its right end
     (the continuation and the context nearest to it). Generation is greedy unless a request asks for a
@@ -49,7 +50,8 @@ class HarnessLM(_HarnessBase):
         """(sum of log p(continuation | context), whether every continuation token is the argmax) per pair."""
         for ctx, cont in pairs:
             if not cont or len(cont) > self.max_length:
-                raise ValueError(f"a continuation has {len(cont)} tokens; 1..max_length={self.max_length} are allowed")
+                raise cli.UsageError(f"a continuation has {len(cont)} tokens; 1..max_length={self.max_length} are "
+                                     "allowed (a longer --seq_len allows more)")
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))  # longest first
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
@@ -90,9 +92,11 @@ class HarnessLM(_HarnessBase):
         for r in tqdm(requests, desc="generate_until", unit="request", disable=None):
             context, kwargs = r.args
             until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else until
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
-            outputs.append(generation.complete(self.model, self.tok, context, [until] if isinstance(until, str) else until,
-                                           int(kwargs.get("max_gen_toks", 256)), temperature, self.max_length))
+            max_new_tokens = int(kwargs.get("max_gen_toks", 256))
+            outputs.append(generation.complete(self.model, self.tok, context, until, max_new_tokens, temperature,
+                                               self.max_length))
         return outputs
 
 
@@ -100,7 +104,7 @@ def run_tasks(lm: HarnessLM, tasks: list[str], num_fewshot: int = 0, limit: int 
     """Run lm-eval's evaluator -> {"results": lm-eval's per-task metrics, "average": the equal-weight mean of
     each requested task's accuracy (acc_norm where the task reports it, else acc), "table": printable}."""
     if _HarnessBase is object:
-        raise ModuleNotFoundError("--tasks needs lm-evaluation-harness: pip install lm-eval")
+        raise cli.MissingPackageError("--tasks needs lm-evaluation-harness: pip install lm-eval")
     # Imported here: lm-eval is optional (checked above), and its evaluator takes seconds to import.
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
@@ -109,7 +113,7 @@ def run_tasks(lm: HarnessLM, tasks: list[str], num_fewshot: int = 0, limit: int 
     files = [t for t in tasks if t.endswith((".yaml", ".yml"))]
     for f in files:
         if not os.path.isfile(f):
-            raise FileNotFoundError(f"task file {f} not found")
+            raise cli.NotFoundError(f"task file {f} not found")
     # Task files only: skip indexing lm-eval's hundreds of built-in tasks.
     manager = TaskManager(include_path=sorted({os.path.dirname(os.path.abspath(f)) for f in files}) or None,
                           include_defaults=len(files) < len(tasks))

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from infra import cli
+from infra.shards import DataError, windows
 from model import Model
 from router import depth_weights
-from infra.shards import windows
 
 
 def receiver_name(index: int, n_layers: int) -> str:
@@ -72,11 +73,11 @@ def routing_analysis(model: Model, token_arrays: list[np.ndarray], seq_len: int,
     """Record routing weights over the first n_windows held-out windows. The means over receivers use those
     with at least two sources (a single source always gets weight 1)."""
     if model.policy.read == "none":
-        raise ValueError(f"residual={model.cfg.residual!r} has no depth routing to analyse")
+        raise cli.UsageError(f"residual={model.cfg.residual!r} has no depth routing to analyse")
     chunks = [w for arr in token_arrays for w in windows(np.asarray(arr), seq_len) if len(w) == seq_len + 1]
     chunks = chunks[:n_windows]
     if not chunks:
-        raise ValueError(f"the data has no window of {seq_len + 1} tokens to analyse")
+        raise DataError(f"the data has no window of {seq_len + 1} tokens to analyse")
     device = next(model.parameters()).device
     recorder = RoutingRecorder(model)
     model.routing_observer = recorder

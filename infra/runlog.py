@@ -8,6 +8,7 @@ import resource
 
 import torch
 
+from infra import cli
 from infra.config import TrainConfig
 from model import ModelConfig
 
@@ -41,7 +42,8 @@ class Logger:
             try:
                 import wandb
             except ImportError:
-                raise ImportError("wandb=True but wandb is not installed: pip install wandb, or drop --wandb") from None
+                raise cli.MissingPackageError("wandb=True but wandb is not installed: pip install wandb, or drop "
+                                              "--wandb") from None
             self.wandb = wandb.init(project=cfg.wandb_project, config=config, dir=cfg.out_dir)
 
     def __call__(self, entry: dict, line: str | None = None) -> None:

@@ -9,15 +9,21 @@ from __future__ import annotations
 import hashlib
 import os
 
+from infra import cli
+
 QWEN3_REPO = "Qwen/Qwen3-0.6B"
 QWEN3_VOCAB_SIZE = 151936  # Qwen3's embedding rows; its tokenizer defines fewer ids
-TOKENIZER_NAMES = ("byte", "gpt2", "qwen3")
+BYTE_VOCAB_SIZE = 257      # 256 bytes + end of text
+GPT2_VOCAB_SIZE = 50257
+# The built-in tokenizers' vocabulary sizes, as their shards record them (shards.how_to_prepare reads it).
+TOKENIZER_VOCAB_SIZES = {"byte": BYTE_VOCAB_SIZE, "gpt2": GPT2_VOCAB_SIZE, "qwen3": QWEN3_VOCAB_SIZE}
+TOKENIZER_NAMES = tuple(TOKENIZER_VOCAB_SIZES)
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens, plus one end-of-text token: no vocabulary file, so the default corpus is offline."""
     name = "byte"
-    vocab_size = 257
+    vocab_size = BYTE_VOCAB_SIZE
     eot = 256
 
     def encode(self, text: str) -> list[int]:
@@ -60,7 +66,7 @@ class HFTokenizer:
         self.name = name
         self.eot = tokenizer.token_to_id("<|endoftext|>")
         if self.eot is None:
-            raise ValueError(f"tokenizer {name!r} has no <|endoftext|> token to mark document ends")
+            raise cli.UsageError(f"tokenizer {name!r} has no <|endoftext|> token to mark document ends")
         # The model's embedding may be padded past the tokenizer's ids (Qwen3: 151,936 rows); shards and
         # check_vocab must use the larger number so that uint32 is chosen and every id is in range.
         self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), model_vocab_size or 0)
@@ -83,13 +89,15 @@ def get_tokenizer(name: str, path: str | None = None, model_vocab_size: int | No
     if name == "gpt2":
         return TiktokenTokenizer("gpt2")
     from tokenizers import Tokenizer
+    file = path or (name if name.endswith(".json") else None)
+    if file is not None and not os.path.isfile(file):
+        raise cli.NotFoundError(f"tokenizer file {file} not found")
     if name == "qwen3":
         tok = Tokenizer.from_file(path) if path else Tokenizer.from_pretrained(QWEN3_REPO)
         return HFTokenizer(tok, "qwen3", max(QWEN3_VOCAB_SIZE, model_vocab_size or 0))
-    if path is not None or name.endswith(".json"):
-        file = path or name
+    if file is not None:
         return HFTokenizer(Tokenizer.from_file(file), file_identity(file) if name == file else name, model_vocab_size)
-    raise ValueError(f"unknown tokenizer {name!r}: use one of {TOKENIZER_NAMES} or a path to a tokenizer.json")
+    raise cli.UsageError(f"unknown tokenizer {name!r}: use one of {TOKENIZER_NAMES} or a path to a tokenizer.json")
 
 
 def file_identity(path: str) -> str:

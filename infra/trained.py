@@ -3,7 +3,8 @@ the tokenizer, data folder and context length of the run that made it (eval.py, 
 
 A path may be a checkpoint file, a sharded FSDP checkpoint folder (ckpt_*/ with meta.json), an out_dir (its
 newest intact checkpoint) or a Hugging Face Qwen3 folder (pretrained weights, read by hf_qwen3.py).
-Checkpoints are read through checkpoint.py, so the same safety checks apply.
+Checkpoints are read through checkpoint.py, so the same safety checks apply, and a checkpoint's model_config is
+checked as a config file is (config.checked).
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from dataclasses import asdict
 import torch
 
 from infra import checkpoint
+from infra import cli
 from infra import corpus
 from infra import shards
+from infra.config import checked
 from infra.hf_qwen3 import load_hf_qwen3
 from model import Model, ModelConfig
 from infra.tokenizer import get_tokenizer
@@ -30,10 +33,10 @@ def resolve_checkpoint(path: str) -> str:
         return path
     if os.path.isdir(path):
         if not checkpoint.checkpoint_paths(path):
-            raise FileNotFoundError(f"{path} is a directory without checkpoints (ckpt_*.pt)")
+            raise cli.NotFoundError(f"{path} is a directory without checkpoints (ckpt_*.pt)")
         return checkpoint.newest_intact(path)[0]
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path} (expected a ckpt_*.pt file, an out_dir or a Qwen3 folder)")
+        raise cli.NotFoundError(f"no checkpoint at {path} (expected a ckpt_*.pt file, an out_dir or a Qwen3 folder)")
     return path
 
 
@@ -49,12 +52,14 @@ def load_model(path: str, device: torch.device | str = "cpu") -> tuple[Model, di
     ckpt = checkpoint.load_checkpoint(path)
     missing = [k for k in MODEL_KEYS if k not in ckpt]
     if missing:
-        raise ValueError(f"{path}: unknown checkpoint format, missing keys {missing} (found {sorted(ckpt)[:8]}); "
-                         f"train.py writes a dict with keys {list(MODEL_KEYS)}, 'train_config', 'step'")
+        raise checkpoint.CheckpointError(f"{path}: unknown checkpoint format, missing keys {missing} (found "
+                                         f"{sorted(ckpt)[:8]}); train.py writes a dict with keys "
+                                         f"{list(MODEL_KEYS)}, 'train_config', 'step'")
     unknown = set(ckpt["model_config"]) - ModelConfig.field_names()
     if unknown:
-        raise ValueError(f"{path}: model_config has fields this model.py does not know: {sorted(unknown)}")
-    model = Model(ModelConfig(**ckpt["model_config"]))
+        raise checkpoint.CheckpointError(f"{path}: model_config has fields this model.py does not know: "
+                                         f"{sorted(unknown)}")
+    model = Model(checked(ModelConfig, ckpt["model_config"], f"{path}: model_config: "))
     model.load_state_dict(ckpt["model"])
     ckpt["path"] = path
     return model.to(device).eval(), ckpt
@@ -64,7 +69,7 @@ def run_data_dir(ckpt: dict) -> str:
     """The data folder the checkpoint was trained on (the embedded corpus is prepared if needed)."""
     name = ckpt.get("train_config", {}).get("data")
     if name is None:
-        raise ValueError(f"{ckpt['path']} records no train_config['data']: pass --data")
+        raise cli.UsageError(f"{ckpt['path']} records no train_config['data']: pass --data")
     return corpus.data_dir(name)
 
 
@@ -73,9 +78,9 @@ def run_tokenizer(ckpt: dict, model: Model):
     if "hf_folder" in ckpt:
         path = os.path.join(ckpt["hf_folder"], "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: copy Qwen3's tokenizer.json into {ckpt['hf_folder']}")
+            raise cli.NotFoundError(f"{path} not found: copy Qwen3's tokenizer.json into {ckpt['hf_folder']}")
         return get_tokenizer("qwen3", path, model.cfg.vocab_size)
-    meta = shards.load_meta(run_data_dir(ckpt))
+    meta = shards.load_meta(run_data_dir(ckpt), model.cfg.vocab_size)
     return get_tokenizer(meta["tokenizer"], meta.get("tokenizer_path"), model.cfg.vocab_size)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infra import checkpoint
+from infra import cli
 from infra import distributed
 from infra import files
 import finetune
@@ -138,3 +139,22 @@ def test_a_file_round_trips_with_its_checksum(tmp_path):
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
     assert checkpoint.checksum({**state, "step": 8}) != checkpoint.checksum(state)
     assert json.dumps(loaded["model_config"]) == json.dumps(state["model_config"])
+
+
+def test_a_file_without_a_checksum_is_refused_and_skipped(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    checkpoint.save_file(str(out_dir / "ckpt_0000001.pt"), {"model": {"w": torch.ones(2)}, "step": 1})
+    torch.save({"model": {"w": torch.ones(2)}, "step": 2}, out_dir / "ckpt_0000002.pt")  # not written by save_file
+    with pytest.raises(checkpoint.CheckpointError, match="ckpt_0000002.pt is not a checkpoint this project writes: "
+                                                         "it has no checksum"):
+        checkpoint.load_checkpoint(str(out_dir / "ckpt_0000002.pt"))
+    assert checkpoint.newest_intact(str(out_dir))[0] == str(out_dir / "ckpt_0000001.pt")
+    assert "skipping an unusable checkpoint" in capsys.readouterr().err
+
+
+def test_the_consolidate_command_names_its_usage(tmp_path):
+    with pytest.raises(cli.UsageError, match=r"^usage: python -m infra.checkpoint consolidate CKPT_DIR \[OUT.pt\]$"):
+        checkpoint.main(["merge", str(tmp_path)])
+    with pytest.raises(cli.NotFoundError, match="is not a sharded checkpoint folder"):
+        checkpoint.main(["consolidate", str(tmp_path / "ckpt_0000001")])

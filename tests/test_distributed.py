@@ -388,10 +388,15 @@ def test_two_ranks_derive_the_micro_batch_and_save_together_on_sigterm(tmp_path)
     assert resumed["step"] == step + 1 and len(resumed["losses"]) == 1
 
 
-def test_a_user_error_is_printed_once_under_torchrun():
-    _, stderr = torchrun("train.py", "configs/tiny_delta_block.py", "--batch_size=0").communicate(timeout=300)
-    assert stderr.count("train.py: error: batch_size=0: allowed values are integers >= 1\n") == 1
-    assert "[rank" not in stderr  # no worker printed a traceback
+@pytest.mark.parametrize("args, message", [
+    (["--batch_size=0"], "batch_size=0: allowed values are integers >= 1"),          # found by every rank
+    (["--resume", "--out_dir={tmp}"], "no checkpoint (ckpt_*.pt or ckpt_*/) in {tmp}"),  # by rank 0 (on_main)
+])
+def test_a_user_error_is_printed_once_under_torchrun(tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    _, stderr = torchrun("train.py", "configs/tiny_delta_block.py", *CLI_SMALL, *args).communicate(timeout=300)
+    assert stderr.count(f"train.py: error: {message.format(tmp=tmp_path)}\n") == 1, stderr
+    assert "[rank" not in stderr and "rank 0 failed" not in stderr  # no worker printed a traceback
 
 
 def test_a_hung_rank_ends_the_job_with_a_message(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from infra import checkpoint
 import finetune
-from infra.config import TrainConfig, load_config
+from infra.config import ConfigError, TrainConfig, load_config
 from finetune import FinetuneConfig
 from infra.hf_qwen3 import load_hf_qwen3, model_config_from_hf
 from model import Model, ModelConfig
@@ -117,7 +117,7 @@ def test_read_texts(tmp_path):
 
 def test_cli_errors(ckpts, corpus, tmp_path):
     folder, _ = ckpts["tied"]
-    with pytest.raises(KeyError, match="router_lr_scale"):
+    with pytest.raises(ConfigError, match="router_lr_scale"):
         finetune.main(run_args(folder, corpus, tmp_path, "--router_lr=1.0"))
     with pytest.raises(ValueError, match="--init_from=PATH is required"):
         finetune.main([f"--data={tmp_path}"])

@@ -105,6 +105,31 @@ def test_check_vocab():
 def test_load_meta_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"python data.py shakespeare"):
         shards.load_meta(str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match=r"`python data.py fineweb --tokenizer=qwen3 --out=.*nothing`$"):
+        shards.load_meta(str(tmp_path / "nothing"), model_vocab_size=151936)
+
+
+@pytest.mark.parametrize("vocab_size, command", [
+    (257, "python data.py shakespeare --out=d"), (50257, "python data.py fineweb --tokenizer=gpt2 --out=d"),
+    (151936, "python data.py fineweb --tokenizer=qwen3 --out=d"),
+    (50304, "python data.py fineweb --tokenizer=PATH/tokenizer.json --out=d"),
+])
+def test_how_to_prepare_fits_the_model_vocabulary(vocab_size, command):
+    hint = shards.how_to_prepare("d", vocab_size)
+    assert hint.endswith(f"`{command}`") and str(vocab_size) in hint
+
+
+def test_meta_json_must_agree_with_the_shards(tmp_path):
+    shards.write_shard(str(tmp_path / "train_000000.bin"), np.arange(100), 257, "byte")
+    shards.write_shard(str(tmp_path / "val_000000.bin"), np.arange(100), 257, "byte")
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257}))
+    assert shards.load_meta(str(tmp_path)) == {"tokenizer": "byte", "vocab_size": 257}
+    for meta in ({"tokenizer": "qwen3", "vocab_size": 257}, {"tokenizer": "byte", "vocab_size": 300}):
+        (tmp_path / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(shards.DataError, match=rf"meta.json names tokenizer '{meta['tokenizer']}' with "
+                                                   rf"vocab_size {meta['vocab_size']} but train_000000.bin holds "
+                                                   r"tokens of 'byte' with vocab_size 257"):
+            shards.load_meta(str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------- loader

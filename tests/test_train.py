@@ -23,7 +23,7 @@ from infra import files
 from infra import runlog
 from infra import shards
 import train
-from infra.config import TrainConfig, load_config
+from infra.config import ConfigError, TrainConfig, load_config
 from model import Model, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,21 +44,22 @@ def test_config_file_and_overrides():
 
 
 @pytest.mark.parametrize("argv,error,message", [
-    (["--n_blcks=2"], KeyError, "unknown config key 'n_blcks' \\(did you mean n_blocks"),
-    (["--lr=fast"], ValueError, "--lr=fast: expected float"),
-    (["--n_layers=2.5"], TypeError, "'n_layers' = 2.5: expected int"),
-    (["--residual=deltablock"], ValueError, "allowed values are baseline"),
+    (["--n_blcks=2"], ConfigError, "unknown config key 'n_blcks' \\(did you mean n_blocks"),
+    (["--lr=fast"], ConfigError, "--lr=fast: expected float"),
+    (["--n_layers=2.5"], ConfigError, "'n_layers' = 2.5: expected int"),
+    (["--residual=deltablock"], ConfigError, "allowed values are baseline"),   # model.py's ValueError, converted
     (["configs/nope.py"], FileNotFoundError, "configs/nope.py"),
 ])
 def test_config_errors(argv, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as raised:
         load_config(argv)
+    assert isinstance(raised.value, cli.UserError)
 
 
 def test_unknown_key_in_config_file(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("d_model = 64\nlearning_rate = 1e-3\n")
-    with pytest.raises(KeyError, match="learning_rate"):
+    with pytest.raises(ConfigError, match="learning_rate"):
         load_config([str(path)])
 
 
@@ -249,11 +250,48 @@ def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr == "train.py: error: eval_interval=0: allowed values are integers >= 1\n"
-    with pytest.raises(KeyError) as user:
-        load_config(["--n_blcks=2"])
-    with pytest.raises(RuntimeError) as bug:
-        torch.zeros(2) @ torch.zeros(3)
-    assert cli.is_user_error(user.value) and not cli.is_user_error(bug.value)
+    # a plain exception is a bug, even one raised by a `raise` statement of this repository
+    code = "from infra import cli\ndef main(argv):\n    raise ValueError('an internal check failed')\ncli.run(main)\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.endswith("ValueError: an internal check failed\n") and "error:" not in proc.stderr
+
+
+def cli_run(monkeypatch, capsys, main, rank: str = "0") -> tuple[int, str]:
+    """(exit status, stderr) of cli.run(main) as the command `prog.py`, on torchrun's rank `rank`."""
+    monkeypatch.setattr(sys, "argv", ["prog.py"])
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exited:
+        cli.run(main)
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_a_user_error_raised_in_a_helper_reads_as_one_raised_in_main(monkeypatch, capsys):
+    """The type decides, not where the error is raised: moving a `raise UserError` into a helper changes nothing."""
+    def check_widgets(n: int) -> None:
+        if n > 2:
+            raise cli.UserError(f"n_widgets={n}: allowed values are 1, 2")
+
+    def main_raises(argv):
+        raise cli.UserError("n_widgets=3: allowed values are 1, 2")
+
+    def main_calls_a_helper(argv):
+        check_widgets(3)
+
+    expected = (1, "prog.py: error: n_widgets=3: allowed values are 1, 2\n")
+    assert cli_run(monkeypatch, capsys, main_raises) == cli_run(monkeypatch, capsys, main_calls_a_helper) == expected
+    assert cli_run(monkeypatch, capsys, main_calls_a_helper, rank="1") == (1, "")  # rank 0 speaks for all
+    with pytest.raises(ZeroDivisionError):                                        # a bug goes on, to its traceback
+        cli_run(monkeypatch, capsys, lambda argv: 1 / 0)
+
+
+def test_model_py_value_errors_reach_the_user_as_one_line(monkeypatch, capsys):
+    """model.py is library code and raises ValueError; the config boundary turns it into a user error."""
+    monkeypatch.setattr(train, "train", lambda *args: pytest.fail("the config was accepted"))
+    status, err = cli_run(monkeypatch, capsys, lambda argv: train.main(["configs/tiny_delta_block.py",
+                                                                        "--residual=deltablock"]))
+    assert status == 1 and err.startswith("prog.py: error: residual='deltablock': allowed values are baseline")
+    assert err.count("\n") == 1
 
 
 def test_sigterm_during_training_leaves_a_resumable_checkpoint(tmp_path):
@@ -324,3 +362,44 @@ def test_resuming_a_finished_run_writes_nothing_new(tmp_path):
     result = run(tmp_path, "--max_steps=2", "--resume")
     assert result["step"] == 2 and result["losses"] == []
     assert os.path.getmtime(checkpoint.checkpoint_paths(tmp_path)[-1]) == before
+
+
+@pytest.mark.parametrize("vocab_size, command", [
+    (151936, "(vocab_size=151936 is the qwen3 tokenizer's): `python data.py fineweb --tokenizer=qwen3 --out={d}`"),
+    (50257, "(vocab_size=50257 is the gpt2 tokenizer's): `python data.py fineweb --tokenizer=gpt2 --out={d}`"),
+    (257, "(vocab_size=257 is the byte-level corpus's): `python data.py shakespeare --out={d}`"),
+    (32000, "with a tokenizer of at most vocab_size=32000 tokens, the model's (built in: byte: 257, gpt2: 50257, "
+            "qwen3: 151936): `python data.py fineweb --tokenizer=PATH/tokenizer.json --out={d}`"),
+])
+def test_an_unprepared_data_folder_names_the_command_for_the_model_vocabulary(tmp_path, vocab_size, command):
+    missing = tmp_path / "fineweb_edu"
+    with pytest.raises(FileNotFoundError) as raised:
+        run(tmp_path / "out", f"--data={missing}", f"--vocab_size={vocab_size}", "--max_steps=1")
+    assert str(raised.value) == f"{missing}/meta.json not found: prepare {missing} first " + command.format(d=missing)
+    assert isinstance(raised.value, cli.UserError)
+
+
+def test_a_new_user_of_a_qwen3_config_is_told_to_prepare_qwen3_tokens(tmp_path):
+    """`python train.py configs/1044m_delta_block.py` on a fresh machine: the hint fits the config's vocabulary."""
+    missing = tmp_path / "fineweb_edu_qwen3"
+    command = f"`python data.py fineweb --tokenizer=qwen3 --out={missing}`"
+    with pytest.raises(FileNotFoundError, match=re.escape(command)):
+        train.main(["configs/1044m_delta_block.py", f"--data={missing}", f"--out_dir={tmp_path / 'out'}",
+                    "--device=cpu"])
+
+
+def test_a_meta_json_that_disagrees_with_its_shards_is_an_error(tmp_path):
+    """The shards' headers are the folder's one record of its tokenizer: a meta.json naming another one stops a
+    fresh run and a resumed one."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for split, n in (("train", 2000), ("val", 500)):
+        shards.write_shard(str(folder / f"{split}_000000.bin"), np.arange(n) % 257, 257, "byte")
+    (folder / "meta.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257}))
+    run(tmp_path / "out", f"--data={folder}", "--max_steps=1")
+    (folder / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
+    message = (r"meta.json names tokenizer 'gpt2' with vocab_size 50257 but train_000000.bin holds tokens of "
+               r"'byte' with vocab_size 257")
+    for out, resume in ((tmp_path / "fresh", []), (tmp_path / "out", ["--resume", "--max_steps=2"])):
+        with pytest.raises(shards.DataError, match=message):
+            run(out, f"--data={folder}", "--max_steps=1", *resume)
