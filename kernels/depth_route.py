@@ -24,6 +24,7 @@ receiver_read.py).
 """
 from __future__ import annotations
 
+import functools
 import torch
 import triton
 import triton.language as tl
@@ -106,6 +107,7 @@ def _check(table: SourceTable, query: Tensor, norm_weight: Tensor) -> None:
 PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/tools/aot.py checks registers against
 
 
+@functools.cache   # a pure function of its arguments, asked at every launch
 def _config(M: int, d: int, backward: bool = False) -> dict:
     """Tile and launch shape. BLOCK_D covers a whole row (the norm needs it). On a GPU, rows per program and
     warps are chosen per width so that each thread holds 16 fp32 values of a tile (8 at d > 2048, where the

@@ -27,6 +27,7 @@ loads; pipelined); phase 2, fused with the pre-norm, is kernels/receiver_read.py
 """
 from __future__ import annotations
 
+import functools
 import torch
 import triton
 import triton.language as tl
@@ -140,17 +141,24 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
 PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
 
 
-def _group_config(d: int, backward: bool) -> dict:
+@functools.cache   # a pure function of its arguments, asked at every launch
+def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
     """Phase 1 keeps R_BLOCK receivers' rows (running sums; backward: go, folded queries and du) of one token
-    row in registers; more receivers than R_BLOCK read the sources again (forward) or in further launches."""
+    row in registers; more receivers than R_BLOCK read the sources again (forward) or in further launches.
+    With one program per SM, the source loop's pipeline (STAGES tiles in flight, staged in shared memory) is
+    what keeps loads in flight (kernels/tools/occupancy.py): as deep as registers and shared memory allow
+    without spilling at the paper's widths (checked by kernels/tools/aot.py: backward, 16-bit sources 8 stages
+    to d = 1024 and 6 to 2048, else 4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more
+    32-bit pieces). element_size: the bytes of the table's sources."""
     block_d = triton.next_power_of_2(d)
     if interpreting():
         return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4)
     if backward:
-        return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=2, num_warps=8,
-                    maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
-    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=4, num_warps=16,
-                maxnreg=register_budget(16, PROGRAMS_PER_SM["_group_fwd"]))
+        stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
+        return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=stages,
+                    num_warps=8, maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
+    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=8 if block_d > 1024 else 6,
+                num_warps=16, maxnreg=register_budget(16, PROGRAMS_PER_SM["_group_fwd"]))
 
 
 def receivers_per_pass(d: int) -> int:
@@ -181,7 +189,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     see GradBank.pointers), written or added to; returns du (n_recv, d) fp32, the committed part."""
     first = table.tensors[0]
     M, d = first.numel() // first.shape[-1], first.shape[-1]
-    cfg = _group_config(d, backward=True)
+    cfg = _group_config(d, backward=True, element_size=table.tensors[-1].element_size())
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)
     du = torch.empty(triton.cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32,

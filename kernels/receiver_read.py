@@ -10,6 +10,7 @@ its sublayer's pre-norm in the same kernel.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -209,10 +210,12 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
 
 
+@functools.cache   # a pure function of its arguments, asked at every launch
 def _receiver_config(M: int, d: int, backward: bool) -> dict:
     """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile in the
     forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
-    loops pipelined (the forward's three stages deep below d = 4096, else two)."""
+    loops pipelined (three stages deep below d = 4096 forward, four backward, where one program per SM has the
+    registers for them; else two: kernels/tools/aot.py checks that nothing spills)."""
     block_d = triton.next_power_of_2(d)
     if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
@@ -221,7 +224,8 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
     per_thread = 8 if backward or wide else 16
     block_m = max(1, min(16, per_thread * 32 * warps // block_d))
     kernel = "_receiver_bwd" if backward else "_receiver_fwd"
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward or wide else 3, num_warps=warps,
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=(2 if wide else 4) if backward else (2 if wide else 3),
+                num_warps=warps,
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
 
 

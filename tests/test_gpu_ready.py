@@ -1,7 +1,8 @@
 """The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU
 needed (kernels/tools/aot.py): every specialisation the model launches at the paper's widths compiles, spills
-nothing, fits two programs per SM, and moves its tiles in 128-bit transfers. Two deliberately bad builds show
-that the rules can fail. The compiler runs in a fresh process: the other kernel tests put Triton in
+nothing, fits its programs per SM, moves its tiles in 128-bit transfers, and keeps enough bytes in flight
+with few masked lanes (or a stated reason covers it). Four deliberately bad builds show that the rules can
+fail. The compiler runs in a fresh process: the other kernel tests put Triton in
 interpreter mode, which cannot compile."""
 import json
 import os
@@ -21,15 +22,16 @@ from kernels.launch import Launch
 
 results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled] for d, compiled in aot.compile_all().items()}
 
-def bad(d, **config):
-    # a forward over bf16 sources at width d with the given launch shape, as the launcher would bind it
-    launch = next(l for l in aot.api_launches(1280) if l.kernel.fn.__name__ == "_route_fwd"
-                  and l.args["A_DTYPE"] == tl.bfloat16)
+def bad(d, kernel="_route_fwd", launches=aot.api_launches(1280), **config):
+    # a launch of `kernel` over bf16 sources at width d with the given launch shape, as the launcher would bind it
+    launch = next(l for l in launches if l.kernel.fn.__name__ == kernel and l.args["A_DTYPE"] == tl.bfloat16)
     args = dict(launch.args, d=d, **config)
-    (name, spec), = aot.specialisations([Launch(launch.kernel, 1, args, [], [])]).items()
+    (name, spec), = aot.specialisations([Launch(launch.kernel, 1, args, launch.reads, launch.writes)]).items()
     return aot.check(aot.compile_one(name, spec))
 
-controls = {"odd width": bad(1283), "oversized tile": bad(4096, BLOCK_M=16, BLOCK_D=4096, num_warps=4)}
+controls = {"odd width": bad(1283), "oversized tile": bad(4096, BLOCK_M=16, BLOCK_D=4096, num_warps=4),
+            "padded row": bad(2048, BLOCK_M=1, BLOCK_D=4096),
+            "shallow pipeline": bad(4096, "_group_fwd", aot.model_launches(4096), STAGES=1)}
 print(json.dumps({"results": results, "controls": controls}))
 """
 
@@ -47,7 +49,7 @@ def compiled():
 
 def test_every_model_specialisation_streams_at_the_paper_widths(compiled):
     results = compiled["results"]
-    assert sorted(map(int, results)) == [768, 1024, 1280, 4096]
+    assert sorted(map(int, results)) == [768, 1024, 1280, 2048, 4096]
     for d, kernels in results.items():
         names = {k["name"].split()[0] for k in kernels}
         assert {"_route_fwd", "_route_bwd", "_group_fwd", "_group_bwd", "_receiver_fwd", "_receiver_bwd"} <= names
@@ -56,9 +58,25 @@ def test_every_model_specialisation_streams_at_the_paper_widths(compiled):
             assert k["spill_bytes"] == 0 and k["accesses"].get("128", 0) > 0
 
 
-def test_the_rules_catch_element_wise_loads_and_spills(compiled):
+def test_the_rules_catch_element_wise_loads_spills_padding_and_a_shallow_pipeline(compiled):
     """A width the compiler cannot prove 16-byte aligned rows for reads bf16 element by element; a tile of
-    16 rows x 4096 on 4 warps does not fit in registers."""
+    16 rows x 4096 on 4 warps does not fit in registers; a 2048-wide row in a 4096-lane tile wastes half of
+    every row operation (a power of two: no stated reason covers it); phase 1's forward with one stage keeps one
+    8 KB row in flight per SM."""
     controls = compiled["controls"]
     assert any("narrower than 32 bits" in p for p in controls["odd width"]), controls["odd width"]
     assert any(p.startswith("spills") for p in controls["oversized tile"]), controls["oversized tile"]
+    assert any("50.0% of lanes masked" in p for p in controls["padded row"]), controls["padded row"]
+    assert any("KB in flight per SM < 16 KB" in p for p in controls["shallow pipeline"]), controls["shallow pipeline"]
+
+
+def test_occupancy_at_the_paper_widths(compiled):
+    """Every specialisation keeps >= 16 KB in flight per SM with <= 20% of lanes masked, or a stated reason
+    covers it (aot.stated_reason); phase 1's backward, whose loads the pipeline carries, needs no reason for
+    bytes in flight at any width, nor its forward at the 1044M width and above."""
+    for d, kernels in compiled["results"].items():
+        for k in kernels:
+            if k["name"].startswith("_group_bwd") or (k["name"].startswith("_group_fwd") and int(d) > 1024):
+                assert k["occupancy"]["bytes_in_flight"] >= 16 * 1024, (d, k["name"], k["occupancy"])
+            if int(d) & (int(d) - 1) == 0:
+                assert k["occupancy"]["masked"] == 0, (d, k["name"])

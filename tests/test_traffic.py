@@ -1,11 +1,18 @@
 """The traffic meter (kernels/tools/traffic.py) counts what a hand count gives on tiny cases: torch ops read their
 arguments and write their outputs (views and allocations move nothing, a broadcast counts once), kernel
-launches move the tensors they describe, and the meter's routing bytes are a step's minus the baseline's."""
+launches move the tensors they describe, and the meter's routing bytes are a step's minus the baseline's; the
+lower bound (bound.py), the occupancy model (occupancy.py) and the host-time meter (host.py) on cases a hand
+count checks."""
+import pytest
 import torch
 
 from kernels.depth_route import depth_route
 from kernels.launch import observe_launches
-from kernels.tools.traffic import METHODS, ByteCounter, count_step, measure, predicted_ratio
+from kernels.tools import host
+from kernels.tools.bound import lower_bound
+from kernels.tools.occupancy import LATENCY_S, MAX_EFFICIENCY, Occupancy, occupancy
+from kernels.tools.traffic import (METHODS, SHAPE_1044M, ByteCounter, count_step, dry_step, measure, occupancy_ratio,
+                                   predicted_ratio)
 from model import ModelConfig
 
 
@@ -45,10 +52,53 @@ def test_routing_bytes_are_the_step_minus_the_baseline():
     shape = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128,
                  n_blocks=2)
     results = measure(shape, (1, 8), {"baseline": METHODS["baseline"], "delta_block": METHODS["delta_block"]})
-    base = count_step(ModelConfig(**shape, residual="baseline", kernel="triton"), (1, 8))
-    step = count_step(ModelConfig(**shape, residual="delta_block", kernel="triton"), (1, 8))
+    base = count_step(ModelConfig(**shape, residual="baseline", kernel="triton"), (1, 8)).bytes
+    step = count_step(ModelConfig(**shape, residual="delta_block", kernel="triton"), (1, 8)).bytes
     assert results["baseline"]["bytes_per_token"] == 0
     assert results["delta_block"]["bytes_per_token"] == (sum(step.values()) - sum(base.values())) / 8
     # every residual add and compiled norm of the baseline is in the routed step too
     assert step[("forward", "torch add")] >= base[("forward", "torch add")]
     assert predicted_ratio(0.0, 1e9, "H100") == 1.0 and predicted_ratio(1e6, 1e9, "H100") < 1.0
+
+
+def test_the_lower_bound_is_a_hand_count_and_below_what_the_kernels_move():
+    """4 layers, 2 blocks of Delta Block: the committed sources are e (fp32) and one block delta (bf16), 3 x their
+    bytes; the 8 sublayers but the 2 block starts read the partial: 16 d bytes each (its fp32 base read forward
+    and backward, its gradient written and read). Fine-grained Delta AttnRes: e and 7 outputs, no partial."""
+    d = 64
+    shape = dict(vocab_size=64, d_model=d, n_layers=4, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=2)
+    block = lower_bound(ModelConfig(**shape, residual="delta_block"))
+    assert block == {"sources": 3 * d * (4 + 2), "partial": 6 * 16 * d, "bytes_per_token": 3 * d * 6 + 6 * 16 * d}
+    assert lower_bound(ModelConfig(**shape, residual="delta"))["bytes_per_token"] == 3 * d * (4 + 7 * 2)
+    assert lower_bound(ModelConfig(**shape, residual="delta_block", block_source="paper"))["partial"] == 0
+    measured = measure(shape, (1, 8), {m: METHODS[m] for m in ("baseline", "delta", "delta_block", "attnres")})
+    for method in ("delta", "delta_block", "attnres"):
+        assert measured[method]["lower_bound"]["bytes_per_token"] < measured[method]["bytes_per_token"], method
+
+
+def test_occupancy_counts_a_launch_by_hand_and_the_prediction_uses_it():
+    """Phase 1's forward at d = 1280 on 16-bit sources keeps one token row per program and its pipeline's
+    STAGES source rows in flight; a kernel short of what Little's law asks for is predicted slower."""
+    shape = dict(SHAPE_1044M, n_layers=2, n_blocks=2)
+    counter = ByteCounter()
+    dry_step(ModelConfig(**shape, residual="delta_block", kernel="triton"), (4, 1024), counter)
+    launch = next(l for l in counter.launches if l.kernel.fn.__name__ == "_group_fwd"
+                  and l.reads[0][0].tensors[-1].element_size() == 2)
+    o = occupancy(launch)
+    assert (o.programs_per_sm, o.rows_in_flight, o.masked) == (1, 1, 1 - 1280 / 2048)
+    assert o.bytes_in_flight == launch.args["STAGES"] * 1280 * 2
+    need = LATENCY_S * 3.35e12 / 132
+    assert o.efficiency(3.35e12) == pytest.approx(MAX_EFFICIENCY * min(1.0, o.bytes_in_flight / need))
+    starved = Occupancy("k", 1280, 1, 1, int(need / 4), 0.0)
+    assert starved.efficiency(3.35e12) == pytest.approx(MAX_EFFICIENCY / 4, rel=1e-3) and starved.problems()
+    r = measure(dict(shape, n_layers=4), (1, 64), {m: METHODS[m] for m in ("baseline", "delta_block")})["delta_block"]
+    slow = dict(r, kernel_seconds_per_token={k: 4 * v for k, v in r["kernel_seconds_per_token"].items()})
+    assert occupancy_ratio(slow, 1e9, "H100") < occupancy_ratio(r, 1e9, "H100") < 1.0
+
+
+def test_the_host_meter_counts_launches_and_routing_time():
+    shape = dict(host.SHAPE, n_layers=4, n_blocks=2)
+    base = host.step_time("baseline", repeats=2, shape=shape)
+    routed = host.step_time("delta_block", repeats=2, shape=shape)
+    assert base["launches"] == 0 and routed["launches"] > 2 * 2 * 4      # forward and backward of 8 receivers
+    assert routed["seconds"] > 0 and base["seconds"] > 0

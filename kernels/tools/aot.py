@@ -34,12 +34,13 @@ from triton.runtime.jit import create_function_from_signature
 
 from kernels import depth_route, group_read, receiver_read
 from kernels.launch import Launch, observe_launches, register_budget
+from kernels.tools.occupancy import MAX_MASKED, MIN_IN_FLIGHT, Occupancy, occupancy
 from kernels.tools.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
 TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-PAPER_WIDTHS = (768, 1024, 1280, 4096)      # d of the 220M, 533M / 0.6B, 1044M and 8B configs
+PAPER_WIDTHS = (768, 1024, 1280, 2048, 4096)  # d of the 220M, 533M / 0.6B, 1044M, (Qwen3-1.7B) and 8B configs
 SHARED_PER_SM = 228 * 1024
 # every routing option the model has, so every kernel variant it can launch is compiled
 VARIANTS = [dict(residual="attnres"), dict(residual="full_attnres", null_source=True), dict(residual="delta"),
@@ -58,6 +59,7 @@ class Compiled:
     spill_bytes: int
     shared_bytes: int
     accesses: dict          # {bits: count} of global loads, stores and cp.async copies in the PTX
+    occupancy: dict         # kernels/tools/occupancy.py's figures for a full grid, programs per SM by registers
 
 
 def model_launches(d: int, tokens: tuple[int, int] = (2, 64)) -> list[Launch]:
@@ -97,7 +99,8 @@ def _bind(launch: Launch, backend):
 
 
 def specialisations(launches: list[Launch]) -> dict[str, tuple]:
-    """Distinct compiled kernels among the launches: {description: (fn, signature, constexprs, attrs, options)}."""
+    """Distinct compiled kernels among the launches: {description: (fn, signature, constexprs, attrs, options,
+    the first launch that made it)}."""
     backend = make_backend(TARGET)
     found = {}
     for launch in launches:
@@ -106,7 +109,7 @@ def specialisations(launches: list[Launch]) -> dict[str, tuple]:
         flags = " ".join(f"{k}={getattr(v, 'name', v)}" for k, v in consts.items())
         pointers = " ".join(f"{k}={v[1:]}" for k, v in signature.items() if v.startswith("*") and v != "*i64")
         key = f"{launch.kernel.fn.__name__} {flags} warps={options.num_warps} | {pointers}"
-        found.setdefault(key, (launch.kernel, signature, constexprs, attrs, options))
+        found.setdefault(key, (launch.kernel, signature, constexprs, attrs, options, launch))
     return found
 
 
@@ -136,11 +139,16 @@ def _ptxas(ptx: str) -> tuple[int, int]:
 
 
 def compile_one(name: str, spec: tuple) -> Compiled:
-    fn, signature, constexprs, attrs, options = spec
+    fn, signature, constexprs, attrs, options, launch = spec
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     registers, spills = _ptxas(kernel.asm["ptx"])
+    threads = 32 * options.num_warps
+    by_registers = 65536 // (threads * -(-registers // 8) * 8)        # registers are allocated 8 at a time
+    by_shared = SHARED_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32
+    fits = max(1, min(by_registers, by_shared, 2048 // threads))
+    full = occupancy(launch, full_grid=True, programs=min(fits, programs_per_sm(name)))
     return Compiled(name, options.num_warps, registers, spills, kernel.metadata.shared,
-                    dict(_ptx_accesses(kernel.asm["ptx"])))
+                    dict(_ptx_accesses(kernel.asm["ptx"])), vars(full))
 
 
 def programs_per_sm(name: str) -> int:
@@ -178,7 +186,35 @@ def check(c: Compiled) -> list[str]:
         problems.append(f"{c.accesses[32]} 32-bit global accesses: a tile is read element by element")
     if not c.accesses.get(128):
         problems.append("no 128-bit global transfer")
-    return problems
+    return problems + [p for p in Occupancy(**c.occupancy).problems() if not stated_reason(c, p)]
+
+
+# Occupancy rules a kernel cannot meet, each with its reason (printed by the command, and by the test's failure)
+MASKED_REASON = ("a row is one tile of next_pow2(d) lanes (Triton's tiles are powers of two): at d = 768 or 1280 "
+                 "a quarter or three eighths of each row operation is padding until rows are split into two "
+                 "tiles (512 + 256, 1024 + 256)")
+
+
+RECEIVER_REASON = ("one receiver streams only its own row inputs (few or no sources of its own), in as many rows per "
+                   "program and programs per SM as its live tiles' registers allow (r, x, dy, dr, h in the "
+                   "backward): more spill, so it keeps less than 16 KB in flight")
+
+
+NARROW_REASON = ("phase 1's forward holds R_BLOCK receivers' sums of one row; at d <= 1024 a row of 16-bit sources is "
+                 "2 KB or less, and the 8 stages 16 KB would take read per-row scalars in more 32-bit pieces than "
+                 "the transfer rule allows: 6 stages, 9 to 12 KB (two programs per SM on 8 warps would be the fix)")
+
+
+def stated_reason(c: Compiled, problem: str) -> str | None:
+    """The stated reason a compiled kernel may break an occupancy rule, or None."""
+    d = c.occupancy["d"]
+    if "masked" in problem and d & (d - 1):
+        return MASKED_REASON
+    if "in flight" in problem and c.name.startswith("_receiver"):
+        return RECEIVER_REASON
+    if "in flight" in problem and c.name.startswith("_group_fwd") and d <= 1024:
+        return NARROW_REASON
+    return None
 
 
 def compile_all(widths: tuple[int, ...] = PAPER_WIDTHS) -> dict[int, list[Compiled]]:
@@ -202,8 +238,15 @@ def main() -> None:
             failed += bool(problems)
             accesses = " ".join(f"{bits}b:{n}" for bits, n in sorted(c.accesses.items()))
             bound = register_bound(c.num_warps, programs_per_sm(c.name))
+            o = c.occupancy
+            stated = "; ".join(p for p in Occupancy(**o).problems() if stated_reason(c, p))
             print(f"d={d:<5} {c.registers:>3} regs (<= {bound}) {c.spill_bytes:>4} B spilled "
-                  f"{c.shared_bytes:>6} B shared | {accesses:<28} | {'; '.join(problems) or 'ok'} | {c.name}")
+                  f"{c.shared_bytes:>6} B shared | {accesses:<28} | {o['programs_per_sm']} prog/SM x "
+                  f"{o['rows_in_flight']} rows, {o['bytes_in_flight'] / 1024:5.1f} KB in flight, "
+                  f"{o['masked']:5.1%} masked | {'; '.join(problems) or 'ok'}"
+                  + (f" (stated: {stated})" if stated else "") + f" | {c.name}")
+    print(f"stated reasons: masked lanes at d = 768, 1280: {MASKED_REASON}; receivers under 16 KB in flight: "
+          f"{RECEIVER_REASON}; phase 1's forward at d <= 1024: {NARROW_REASON}")
     print(f"{sum(map(len, results.values()))} specialisations, {failed} with problems")
     if args.json:
         with open(args.json, "w") as f:

@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from kernels.launch import Launch, SourceTable, observe_launches
+from kernels.tools.bound import lower_bound
+from kernels.tools.occupancy import Occupancy, occupancy
 from model import Model, ModelConfig, RMSNorm
 from infra.runlog import flops_per_token
 
@@ -74,6 +76,7 @@ class ByteCounter(TorchDispatchMode):
         super().__init__()
         self.bytes: Counter[tuple[str, str]] = Counter()
         self.launches: list[Launch] = []
+        self.kernels: list[tuple[int, Occupancy]] = []   # (bytes moved, occupancy) of each launch
         self.phase = "forward"
 
     def add(self, name: str, n: int) -> None:
@@ -95,7 +98,9 @@ class ByteCounter(TorchDispatchMode):
         self.launches.append(launch)
         reads = [(s, times) for t, times in launch.reads for s in (t.tensors if isinstance(t, SourceTable) else [t])]
         moved = sum(_distinct_bytes(t) * times for t, times in reads) + sum(map(_distinct_bytes, launch.writes))
-        self.add(f"kernel {launch.kernel.fn.__name__}", moved + 8 * launch.args["table"].numel())
+        moved += 8 * launch.args["table"].numel()
+        self.add(f"kernel {launch.kernel.fn.__name__}", moved)
+        self.kernels.append((moved, occupancy(launch)))
         return True                               # meta tensors: nothing to launch
 
 
@@ -157,40 +162,68 @@ def dry_step(cfg: ModelConfig, tokens: tuple[int, int], counter: ByteCounter,
         logits.backward(torch.empty_like(logits))
 
 
-def count_step(cfg: ModelConfig, tokens: tuple[int, int], regime: str = "autocast") -> Counter[tuple[str, str]]:
-    """Bytes moved by one forward + backward of `cfg` on `tokens` (batch, seq_len), by (phase, name)."""
+def count_step(cfg: ModelConfig, tokens: tuple[int, int], regime: str = "autocast") -> ByteCounter:
+    """One forward + backward of `cfg` on `tokens` (batch, seq_len), counted: .bytes by (phase, name), .kernels."""
     counter = ByteCounter()
     dry_step(cfg, tokens, counter, *REGIMES[regime])
-    return counter.bytes
+    return counter
+
+
+def kernel_seconds(counter: ByteCounter, n_tokens: int) -> dict[str, float]:
+    """{device: seconds per token} the step's kernels take at the bandwidth their occupancy allows."""
+    return {device: sum(moved / (o.efficiency(bandwidth) * bandwidth) for moved, o in counter.kernels) / n_tokens
+            for device, (_, bandwidth) in DEVICES.items()}
 
 
 def measure(shape: dict = SHAPE_1044M, tokens: tuple[int, int] = TOKENS_1044M, methods: dict = METHODS,
             kernel: str = "triton", regime: str = "autocast") -> dict[str, dict]:
     """{method: {"bytes_per_token", "forward", "backward", "by_name"}} of what routing adds to the baseline."""
     n_tokens = tokens[0] * tokens[1]
-    counts = {label: count_step(ModelConfig(**shape, **overrides, kernel=kernel), tokens, regime)
-              for label, overrides in methods.items()}
-    base = counts["baseline"]
+    cfgs = {label: ModelConfig(**shape, **overrides, kernel=kernel) for label, overrides in methods.items()}
+    counters = {label: count_step(cfg, tokens, regime) for label, cfg in cfgs.items()}
+    base = counters["baseline"].bytes
     results = {}
-    for label, count in counts.items():
-        extra = Counter(count)
+    for label, counter in counters.items():
+        extra = Counter(counter.bytes)
         extra.subtract(base)
         per_phase = {p: sum(v for (ph, _), v in extra.items() if ph == p) / n_tokens for p in ("forward", "backward")}
+        kernels = sum(v for (_, name), v in extra.items() if name.startswith("kernel "))
         results[label] = {"bytes_per_token": sum(extra.values()) / n_tokens, **per_phase,
+                          "kernel_bytes_per_token": kernels / n_tokens,
+                          "kernel_seconds_per_token": kernel_seconds(counter, n_tokens),
+                          "lower_bound": lower_bound(cfgs[label], *REGIMES[regime]),
                           "by_name": {f"{p} {n}": v / n_tokens for (p, n), v in extra.most_common() if v}}
     return results
 
 
-def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, device: str) -> float:
-    """Predicted tokens/s relative to the baseline on `device` under the module's stated assumptions."""
+def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, device: str,
+                    kernel: tuple[float, float] | None = None) -> float:
+    """Predicted tokens/s relative to the baseline on `device`: routing's bytes at BANDWIDTH_EFFICIENCY of the
+    peak, or, with kernel = (the kernels' bytes, their seconds at the bandwidth their occupancy allows: see
+    kernel_seconds), the kernels at that and the rest (torch ops) at BANDWIDTH_EFFICIENCY."""
     flops, bandwidth = DEVICES[device]
     t_base = flops_per_token / (MFU * flops)
-    t_route = routing_bytes_per_token / (BANDWIDTH_EFFICIENCY * bandwidth)
+    if kernel is None:
+        t_route = routing_bytes_per_token / (BANDWIDTH_EFFICIENCY * bandwidth)
+    else:
+        kernel_bytes, kernel_s = kernel
+        t_route = kernel_s + (routing_bytes_per_token - kernel_bytes) / (BANDWIDTH_EFFICIENCY * bandwidth)
     return t_base / (t_base + t_route)
 
 
-REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (autocast: one GPU, DDP)",
-                "bf16": "bf16 parameters, stream and outputs (FSDP2's bf16 parameters)"}
+def occupancy_ratio(result: dict, flops_per_token: float, device: str) -> float:
+    """predicted_ratio of one measure() result with its kernels at the bandwidth their occupancy allows."""
+    return predicted_ratio(result["bytes_per_token"], flops_per_token, device,
+                           (result["kernel_bytes_per_token"], result["kernel_seconds_per_token"][device]))
+
+
+REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (the precision rule: infra/distributed.py)",
+                "bf16": "bf16 parameters, stream and outputs (the whole model cast to bf16, as the authors' code)"}
+GOALS = {"delta_block": (1.3e6, 0.97), "delta": (7.5e6, 0.85)}     # MB per token above the baseline, tok/s ratio
+ABOVE_BOUND = ("the grouped schedule's own bytes (kernels/tools/bound.py): phase 1's state written and read by each "
+               "receiver (and read again backward), go and D written back for phase 1's backward, each later group "
+               "reading the committed sources and reading and writing their fp32 gradient accumulators again, "
+               "phase 1's backward passes over R_BLOCK receivers at a time, autograd's sums into the stream gradient")
 
 
 def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], regime: str, top: int = 6) -> str:
@@ -198,20 +231,30 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
     lines = [f"routing traffic of one training step: {cfg.n_layers} layers, d = {cfg.d_model}, {cfg.n_blocks} blocks, "
              f"{tokens[0]} x {tokens[1]} tokens, {REGIME_NAMES[regime]}",
              f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (runlog.flops_per_token) at MFU {MFU:.0%}; "
-             f"routing at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth, not overlapped; " +
+             f"routing not overlapped; flat: every byte at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth; occupancy: "
+             f"each kernel at what its bytes in flight allow (kernels/tools/occupancy.py), torch ops at "
+             f"{BANDWIDTH_EFFICIENCY:.0%}; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
-             f"{'method':<14}{'MB/token':>10}{'forward':>10}{'backward':>10}"
-             + "".join(f"{'tok/s ' + k:>13}" for k in DEVICES)]
+             "MB per token above the baseline: today's, the lower bound (kernels/tools/bound.py), the goal; "
+             "predicted tokens/s vs the baseline",
+             f"{'method':<14}{'today':>8}{'forward':>9}{'backward':>9}{'bound':>8}{'goal':>7}"
+             f"{'H100 flat':>11}" + "".join(f"{k + ' occupancy':>16}" for k in DEVICES) + f"{'goal':>7}"]
     for label, r in results.items():
-        ratios = "".join(f"{predicted_ratio(r['bytes_per_token'], fpt, k):>12.3f}x" for k in DEVICES)
-        lines.append(f"{label:<14}{r['bytes_per_token'] / 1e6:>10.3f}{r['forward'] / 1e6:>10.3f}"
-                     f"{r['backward'] / 1e6:>10.3f}{ratios}")
-    lines.append(f"where the bytes go (MB per token, the {top} largest items per method):")
+        goal = GOALS.get(label)
+        occupancy_ratios = "".join(f"{occupancy_ratio(r, fpt, k):>15.3f}x" for k in DEVICES)
+        lines.append(f"{label:<14}{r['bytes_per_token'] / 1e6:>8.3f}{r['forward'] / 1e6:>9.3f}"
+                     f"{r['backward'] / 1e6:>9.3f}{r['lower_bound']['bytes_per_token'] / 1e6:>8.3f}"
+                     f"{f'{goal[0] / 1e6:.2f}' if goal else '':>7}{predicted_ratio(r['bytes_per_token'], fpt, 'H100'):>10.3f}x"
+                     f"{occupancy_ratios}{f'{goal[1]:.2f}x' if goal else '':>7}")
+    lines.append(f"where the bytes go (MB per token, the {top} largest items per method); above the bound: "
+                 + ABOVE_BOUND)
     for label, r in results.items():
         if label == "baseline":
             continue
         items = ", ".join(f"{name} {v / 1e6:.3f}" for name, v in list(r["by_name"].items())[:top])
-        lines.append(f"  {label}: {items}")
+        b = r["lower_bound"]
+        lines.append(f"  {label}: bound {b['sources'] / 1e6:.3f} sources + {b['partial'] / 1e6:.3f} partial "
+                     f"blocks | {items}")
     return "\n".join(lines)
 
 
@@ -219,21 +262,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", default="triton", choices=("triton", "reference"),
                         help="the routing path to count: the kernels (as on a GPU) or the reference")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[8, 4],
+                        help="block counts (8: the meters' habit; 4: the 1044M configs')")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
-    cfg = ModelConfig(**SHAPE_1044M)
-    fpt = flops_per_token(cfg, TOKENS_1044M[1])
     results = {}
     for regime in REGIMES:
-        results[regime] = measure(kernel=args.kernel, regime=regime)
-        print(report(results[regime], cfg, TOKENS_1044M, regime) + "\n")
-        for r in results[regime].values():
-            r["predicted_ratio"] = {k: predicted_ratio(r["bytes_per_token"], fpt, k) for k in DEVICES}
+        for blocks in args.blocks:
+            shape = {**SHAPE_1044M, "n_blocks": blocks}
+            cfg = ModelConfig(**shape)
+            fpt = flops_per_token(cfg, TOKENS_1044M[1])
+            found = results.setdefault(regime, {})[blocks] = measure(shape, kernel=args.kernel, regime=regime)
+            print(report(found, cfg, TOKENS_1044M, regime) + "\n")
+            for r in found.values():
+                r["predicted_ratio"] = {k: predicted_ratio(r["bytes_per_token"], fpt, k) for k in DEVICES}
+                r["predicted_ratio_occupancy"] = {k: occupancy_ratio(r, fpt, k) for k in DEVICES}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": SHAPE_1044M, "tokens": TOKENS_1044M, "kernel": args.kernel, "mfu": MFU,
-                       "bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "devices": DEVICES, "regimes": results}, f,
-                      indent=2)
+                       "bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "devices": DEVICES, "goals": GOALS,
+                       "regimes": results}, f, indent=2)
 
 
 if __name__ == "__main__":

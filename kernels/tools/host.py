@@ -1,0 +1,76 @@
+"""Host time of the model's routing path per training step: the Python and autograd work a GPU would wait on.
+
+    python -m kernels.tools.host                    # 36 layers (the 1044M depth), 8 blocks, every method
+    python -m kernels.tools.host --json out.json
+
+A training step (forward, loss, backward) of the real model at the 1044M depth, with tiny tensors (d = 64, 1 x 16
+tokens: the tensor work is negligible) and every Triton launch skipped (kernels.launch.observe_launches), runs on
+the CPU; its time is host time. Routing's host time is a method's step minus the baseline's (the baseline pays for
+its own sublayers, norms and autograd). Median of `repeats` steps after warm-up, one thread. Left out: Triton's own
+launcher (binding the arguments and the driver call, some tens of microseconds per launch on a GPU machine), so
+the count of launches per step is printed beside; and on a GPU, allocations and the address tables' copies are
+asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x
+1024 tokens, about 65 ms of H100 work, so 6.5 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.launch import observe_launches
+from model import Model, ModelConfig
+
+SHAPE = dict(vocab_size=64, d_model=64, n_layers=36, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=8)
+METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
+BUDGET_S = 6.5e-3
+
+
+def step_time(residual: str, repeats: int = 10, shape: dict = SHAPE, tokens: tuple[int, int] = (1, 16)) -> dict:
+    """{"seconds": median host seconds of one forward + backward, "launches": kernel launches per step}."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**shape, residual=residual, kernel="triton"))
+    idx = torch.randint(0, shape["vocab_size"], tokens)
+    launches = []
+    times = []
+    with observe_launches(lambda launch: launches.append(launch.kernel) or True):
+        for i in range(repeats + 2):                 # two warm-up steps
+            launches.clear()
+            start = time.perf_counter()
+            F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+            model.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(times[2:]), "launches": len(launches)}
+
+
+def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10) -> dict[str, dict]:
+    """Per method: host seconds per step, routing's share (minus the baseline's), launches per step."""
+    torch.set_num_threads(1)
+    found = {m: step_time(m, repeats) for m in ("baseline", *[m for m in methods if m != "baseline"])}
+    base = found["baseline"]["seconds"]
+    return {m: {**r, "routing_seconds": r["seconds"] - base} for m, r in found.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    results = measure(repeats=args.repeats)
+    print(f"host time per training step, {SHAPE['n_layers']} layers, {SHAPE['n_blocks']} blocks, launches skipped "
+          f"(budget for routing: {1e3 * BUDGET_S:.1f} ms)")
+    print(f"{'method':<14}{'step ms':>9}{'routing ms':>12}{'launches':>10}")
+    for method, r in results.items():
+        flag = "" if method == "baseline" or r["routing_seconds"] <= BUDGET_S else "  over budget"
+        print(f"{method:<14}{1e3 * r['seconds']:>9.1f}{1e3 * r['routing_seconds']:>12.1f}{r['launches']:>10}{flag}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE, "budget_s": BUDGET_S, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
