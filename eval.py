@@ -4,7 +4,7 @@ analysis and samples.
     python eval.py out/tiny_delta_block                          # held-out loss, perplexity (bits per byte)
     python eval.py out/tiny_delta_block --data=some_text.txt     # ... on a text file or a shard directory
     python eval.py CKPT --tasks=hellaswag,arc_easy,arc_challenge,piqa,winogrande,boolq,mmlu,lambada_openai
-    python eval.py out/tiny_attnres out/tiny_delta_block --routing --out=docs/routing_tiny
+    python eval.py out/tiny_attnres out/tiny_delta_block --routing --out=results/redundancy/tiny
     python eval.py CKPT --sample "ROMEO:" --temperature=0.8 --top_k=40
 
 CKPT is a checkpoint file that train.py writes, a sharded FSDP checkpoint folder (ckpt_*/ with meta.json), an
