@@ -11,7 +11,8 @@ CKPT is a checkpoint file that train.py writes, a sharded FSDP checkpoint folder
 out_dir (its newest checkpoint), or a Hugging Face Qwen3 folder (infra/trained.py reads each). Perplexity and
 task results go to a JSON next to the checkpoint (ckpt_0000600.eval.json; eval.json in a Qwen3 folder). Tasks
 run through infra/lm_eval_adapter.py, the routing analysis is infra/routing_analysis.py's (it writes OUT.json,
-OUT_depth.png and OUT_matrix.png), samples are infra/generation.py's (as sample.py's).
+OUT_depth.png, OUT_matrix.png, and the similarity of the sources' keys as deltas and as states,
+OUT_similarity.png and OUT_similarity_matrix.png), samples are infra/generation.py's (as sample.py's).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from infra import shards
 from infra import trained
 from infra.lm_eval_adapter import HarnessLM, run_tasks
 from model import Model
-from infra.routing_analysis import plot_routing, routing_analysis
+from infra.routing_analysis import plot_routing, plot_similarity, routing_analysis
 
 
 def load_tokens(ckpt: dict, model: Model, path: str | None, split: str) -> tuple[list[np.ndarray], str]:
@@ -122,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", help="comma-separated lm-eval task names or task YAML files")
     p.add_argument("--num_fewshot", type=int, default=0)
     p.add_argument("--limit", type=int, help="at most this many documents per task")
-    p.add_argument("--routing", action="store_true", help="routing analysis: JSON and PNG plots")
+    p.add_argument("--routing", action="store_true", help="routing weights and source similarity: JSON, PNG")
     p.add_argument("--routing_windows", type=cli.positive_int, default=16, help="held-out windows to record routing over")
     p.add_argument("--out", help="routing output prefix (default: <first out_dir>/routing)")
     p.add_argument("--sample", metavar="PROMPT", help="generate text after PROMPT")
@@ -153,17 +154,23 @@ def _tasks(args: argparse.Namespace, model: Model, ckpt: dict, seq_len: int) -> 
     return result
 
 
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _write_routing(report: dict, out: str | None) -> None:
     """The routing analyses of every checkpoint: one JSON, the plots side by side, a line per run."""
     runs = {}
     for path, entry in report.items():
         runs[_label(path) if _label(path) not in runs else os.path.relpath(path)] = entry["routing"]
     prefix = out or os.path.join(os.path.dirname(next(iter(report))), "routing")
-    plots = plot_routing(runs, prefix)
+    plots = plot_routing(runs, prefix) + plot_similarity(runs, prefix)
     files.write_json(prefix + ".json", runs)
-    for label, run in runs.items():
-        print(f"{label}: mean max weight {run['mean_max_weight']:.3f} | mean normalised entropy "
-              f"{run['mean_entropy']:.3f} | mean embedding weight {run['mean_embedding_weight']:.3f}")
+    for label, run in runs.items():  # per-token figures averaged over tokens, then over receivers
+        print(f"{label}: max weight {run['mean_max_weight']:.3f} | normalised entropy {run['mean_entropy']:.3f} "
+              f"(of the mean weights {run['mean_weights_entropy']:.3f}) | embedding weight "
+              f"{run['mean_embedding_weight']:.3f} | key similarity deltas {_fmt(run['mean_similarity_deltas'])} "
+              f"states {_fmt(run['mean_similarity_states'])}")
     print("wrote", ", ".join([prefix + ".json"] + plots))
 
 

@@ -1,18 +1,20 @@
 """Fine-tune a pretrained Hugging Face Qwen3 into depth routing (the paper's Sec. 3.5), safely.
 
     python finetune.py configs/finetune_qwen3_0p6b_delta_block.py --init_from=checkpoints/Qwen3-0.6B
+    python finetune.py configs/finetune_qwen3_0p6b_attnres.py --init_from=checkpoints/Qwen3-0.6B
     python finetune.py configs/finetune_qwen3_0p6b_baseline.py --init_from=checkpoints/Qwen3-0.6B
     python finetune.py export out/ft_qwen3_0p6b_baseline/ckpt_0020000.pt out/qwen3_0p6b_ft_hf \\
         --source=checkpoints/Qwen3-0.6B          # a fine-tuned baseline back to a Hugging Face folder
 
 The pretrained folder is read by infra/hf_qwen3.py, which adds routers at their initialisation; `export` writes a
-fine-tuned baseline back through it. The text is tokenised once with the checkpoint's own tokenizer. The
-fine-tuning run reuses train.py's loop with separate optimizer groups: routers at router_lr_scale x the
-backbone's lr and no weight decay. Before the first step it measures how far the converted model is from the
-pretrained one (the same weights with routing switched off) on the first validation batch. With gate=True
-the difference is exactly 0. The paper's zero query without a gate is not an identity (docs/method.md,
-section 'Initialisation and identity') and the log says so: with boundary block sources the read is c * h~
-and only RMSNorm's eps changes the logits (a small difference); with the paper's Fig. 3 sources the
+fine-tuned baseline back through it. The text is tokenised once with the checkpoint's own tokenizer;
+`val_text="wikitext2"` validates on WikiText-2's validation split instead, as the authors' fine-tuning does
+(their perplexity is WikiText-2's). The fine-tuning run reuses train.py's loop with separate optimizer groups:
+routers at router_lr_scale x the backbone's lr and no weight decay. Before the first step it measures how far the
+converted model is from the pretrained one (the same weights with routing switched off) on the first validation
+batch. With gate=True the difference is exactly 0. The paper's zero query without a gate is not an identity
+(docs/method.md, section 'Initialisation and identity') and the log says so: with boundary block sources the read
+is c * h~ and only RMSNorm's eps changes the logits (a small difference); with the paper's Fig. 3 sources the
 difference is large.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from infra import cli
@@ -38,6 +41,7 @@ import train
 from infra import trained
 from infra.config import NON_NEGATIVE, ConfigError, TrainConfig, check_ranges, load_config
 from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
+from infra.tokenizer import get_tokenizer
 from model import Model, ModelConfig
 from router import make_policy
 
@@ -50,16 +54,25 @@ class FinetuneConfig:
     text: str = "fineweb"            # "fineweb" (FineWeb-Edu, streamed) or a .txt / .jsonl file or a folder of them
     text_max_tokens: int = 0         # training tokens to prepare into TrainConfig.data; 0: the whole text
     text_val_docs: int = 1000        # the first documents form the validation split
+    val_text: str = ""               # "": that split; "wikitext2": WikiText-2 (raw) validation, the authors' eval;
+                                     # or a local .txt / .jsonl / .parquet file, loaded through `datasets` the same way
 
     def __post_init__(self):
         check_ranges(self, {"router_lr_scale": NON_NEGATIVE,
                             "text": (lambda v: v.strip() != "", "'fineweb', or a .txt / .jsonl file or folder"),
+                            "val_text": (lambda v: v in ("", "wikitext2") or v.endswith(VAL_FILES),
+                                         "'' (text's first documents), 'wikitext2', or a .txt / .jsonl / "
+                                         ".parquet file"),
                             "text_max_tokens": (lambda v: v >= 0, "0 (the whole text) or integers >= 1"),
                             "text_val_docs": (lambda v: v >= 1, "integers >= 1")})
 
 
 # ModelConfig fields a fine-tuning config chooses; the architecture comes from the checkpoint's config.json.
 ROUTING_KEYS = ("residual", "n_blocks", "block_source", "include_partial", "null_source", "gate")
+# val_text files by ending -> the `datasets` builder that reads them (each row's "text" field)
+VAL_FILES = (".txt", ".jsonl", ".parquet")
+VAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+WIKITEXT2 = ("wikitext", "wikitext-2-raw-v1")   # Hugging Face dataset and config; split "validation"
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -107,6 +120,8 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     with open(tokenizer, "rb") as f:
         stamp = {"tokenizer_sha256": hashlib.sha256(f.read()).hexdigest(), "text": ft.text,
                  "max_tokens": ft.text_max_tokens, "val_docs": ft.text_val_docs}
+    if ft.val_text:  # only then: folders prepared without val_text keep their stamp
+        stamp["val_text"] = ft.val_text
     stamp_path, meta_path = os.path.join(out_dir, "finetune_text.json"), os.path.join(out_dir, "meta.json")
     if rank != 0:  # the stamp is written last, so shards and meta.json are complete once it exists
         while not (os.path.isfile(stamp_path) and os.path.isfile(meta_path)):
@@ -125,7 +140,52 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
     if meta["train_tokens"] == 0 or meta["val_tokens"] == 0:
         raise shards.DataError(f"text={ft.text!r} gave {meta['n_val_docs']} validation and {meta['n_train_docs']} "
                                f"training documents (text_val_docs={ft.text_val_docs}): both splits need text")
+    if ft.val_text:
+        meta = replace_val_split(ft.val_text, out_dir, tokenizer, meta)
     files.write_json(stamp_path, stamp)
+    return meta
+
+
+def load_val_text(source: str, cache_dir: str) -> str:
+    """The text of val_text through `datasets`: WikiText-2 raw's validation split from the hub, or a local file
+    (one row per line of a .txt, per object of a .jsonl, per row of a .parquet), rows joined by blank lines as
+    Hugging Face's perplexity guide joins WikiText's."""
+    try:
+        import datasets
+    except ImportError:
+        raise cli.MissingPackageError(f"val_text={source!r} needs `datasets`: pip install datasets") from None
+    if source == "wikitext2":
+        args, kwargs, what = WIKITEXT2, {"split": "validation"}, "/".join(WIKITEXT2) + " (validation)"
+    else:
+        if not os.path.isfile(source):
+            raise cli.NotFoundError(f"val_text={source!r}: no such file")
+        builder = VAL_BUILDERS[os.path.splitext(source)[1]]
+        args, kwargs, what = (builder,), {"data_files": source, "split": "train"}, source
+    try:  # offline, a dataset the hub does not have, a damaged file: OSError (ConnectionError included), ValueError
+        rows = datasets.load_dataset(*args, cache_dir=cache_dir, **kwargs)
+        texts = rows["text"]
+    except (OSError, ValueError, KeyError) as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise shards.DataError(f"val_text={source!r}: could not load {what}: {type(e).__name__}: {reason}") from None
+    return "\n\n".join(texts)
+
+
+def replace_val_split(source: str, out_dir: str, tokenizer: str, meta: dict) -> dict:
+    """Validate on val_text: its tokens become the val split (one shard), and the held-out documents of `text`
+    stay beside it as text_val_*.bin (eval.py --split=text_val). Returns the updated meta.json."""
+    text = load_val_text(source, os.path.join(out_dir, "datasets_cache"))
+    tok = get_tokenizer(tokenizer, tokenizer)           # as prepare_fineweb names it: the file's identity
+    ids = np.asarray(tok.encode(text) + [tok.eot], dtype=np.int64)
+    if len(ids) < 2:
+        raise shards.DataError(f"val_text={source!r} has no text to validate on")
+    for path in glob.glob(os.path.join(out_dir, "text_val_*.bin")):
+        os.remove(path)
+    for path in sorted(glob.glob(os.path.join(out_dir, "val_*.bin"))):
+        os.replace(path, os.path.join(out_dir, "text_" + os.path.basename(path)))
+    shards.write_shard(os.path.join(out_dir, "val_000000.bin"), ids, tok.vocab_size, tok.name)
+    meta = {**meta, "val_text": source, "val_tokens": len(ids), "text_val_tokens": meta["val_tokens"],
+            "n_shards": {**meta["n_shards"], "val": 1, "text_val": meta["n_shards"]["val"]}}
+    files.write_json(os.path.join(out_dir, "meta.json"), meta)
     return meta
 
 

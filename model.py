@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,7 @@ from router import (BLOCK_SOURCES, BLOCK_SPLITS, METHODS, SOURCES, DepthState, R
                     rms_norm)
 
 KERNELS = ("auto", "triton", "reference")
+OUT_INITS = ("scaled", "plain")
 GATED_QUERY_INIT_STD = 0.02  # the default query init with gate=True: the authors' Linear(d, 1) queries, N(0, 0.02)
 
 
@@ -29,6 +31,26 @@ def uses_kernel(kernel: str, device: torch.device) -> bool:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: allowed values are {', '.join(KERNELS)}")
     return device.type == "cuda" if kernel == "auto" else kernel == "triton"
+
+
+Rule = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words), as infra/config.py's
+
+
+def one_of(names: tuple[str, ...]) -> Rule:
+    return (lambda v: v in names, ", ".join(names))
+
+
+AT_LEAST_1: Rule = (lambda v: v >= 1, "integers >= 1")
+NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "finite numbers >= 0")  # `0 <= v` is False for NaN too
+MODEL_RULES: dict[str, Rule] = {
+    **{key: AT_LEAST_1 for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
+    "head_dim": (lambda v: v >= 2 and v % 2 == 0, "even integers >= 2 (RoPE rotates pairs of channels)"),
+    "rope_theta": (lambda v: 0 < v < math.inf, "finite numbers > 0"), "norm_eps": NON_NEGATIVE,
+    "init_std": NON_NEGATIVE, "out_init": one_of(OUT_INITS), "residual": one_of(METHODS), "kernel": one_of(KERNELS),
+    "block_source": one_of(BLOCK_SOURCES), "sources": one_of(SOURCES), "block_split": one_of(BLOCK_SPLITS),
+    "query_init_std": (lambda v: v is None or NON_NEGATIVE[0](v), f"a finite std >= 0, or None for the default "
+                       f"(0, or {GATED_QUERY_INIT_STD} with gate=True)"),
+}
 
 
 @dataclass
@@ -44,6 +66,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     init_std: float = 0.02
+    out_init: str = "scaled"            # "scaled": o_proj and down_proj at init_std / sqrt(2 L); "plain": every
+                                        # matrix at init_std (the authors' code); Model.init_weights
     # depth routing (router.py)
     residual: str = "baseline"          # one of router.METHODS
     n_blocks: int = 4                   # blocks K for attnres / delta_block (docs/method.md, "Block counts")
@@ -59,58 +83,49 @@ class ModelConfig:
     null_source: bool = False           # an extra null source per receiver
     learned_null: bool = False          # the null source is a learned vector per receiver (zero at init), not 0
     gate: bool = False                  # zero-init scalar gate per receiver: exact identity at init
-    query_init_std: float = -1.0        # routers' queries start at N(0, std); 0 = zero queries. -1: 0 (as the
-                                        # paper states), or GATED_QUERY_INIT_STD with gate=True (router.Router)
+    query_init_std: float | None = None  # routers' queries start at N(0, std); 0 = zero queries. None: 0 (as the
+                                        # paper states), or GATED_QUERY_INIT_STD with gate=True (query_std)
     kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
 
     def __post_init__(self):
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)!r}: allowed values are integers >= 1")
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim!r}: allowed values are even integers >= 2 "
-                             "(RoPE rotates pairs of channels)")
-        if not 0 < self.rope_theta < math.inf:  # `not` catches NaN too
-            raise ValueError(f"rope_theta={self.rope_theta!r}: allowed values are finite numbers > 0")
-        for key in ("norm_eps", "init_std"):
-            if not 0 <= getattr(self, key) < math.inf:
-                raise ValueError(f"{key}={getattr(self, key)!r}: allowed values are finite numbers >= 0")
-        if self.residual not in METHODS:
-            raise ValueError(f"residual={self.residual!r}: allowed values are {', '.join(METHODS)}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel={self.kernel!r}: allowed values are {', '.join(KERNELS)}")
-        if self.block_source not in BLOCK_SOURCES:
-            raise ValueError(f"block_source={self.block_source!r}: allowed values are {', '.join(BLOCK_SOURCES)}")
-        if self.sources not in SOURCES:
-            raise ValueError(f"sources={self.sources!r}: allowed values are {', '.join(SOURCES)}")
-        if self.sources == "states" and (self.residual == "baseline" or self.block_source == "paper"):
-            raise ValueError("sources='states' needs a routed method and block_source='boundary' (the paper's "
-                             "variant is a construction of deltas of its own)")
-        if self.block_split not in BLOCK_SPLITS:
-            raise ValueError(f"block_split={self.block_split!r}: allowed values are {', '.join(BLOCK_SPLITS)}")
-        if not (self.query_init_std >= 0 or self.query_init_std == -1):
-            raise ValueError(f"query_init_std={self.query_init_std!r}: allowed values are a std >= 0, or -1 for the "
-                             f"default (0, or {GATED_QUERY_INIT_STD} with gate=True)")
-        if self.residual in ("attnres", "delta_block") and not 1 <= self.n_blocks <= self.n_layers:
-            raise ValueError(f"n_blocks={self.n_blocks}: allowed values are 1..n_layers={self.n_layers} "
-                             "(blocks are made of whole layers)")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.residual != "delta_block" and (self.block_source != "boundary" or not self.include_partial):
-            raise ValueError(f"block_source and include_partial choose Delta Block's sources; residual="
-                             f"{self.residual!r} has no block deltas (use residual='delta_block')")
+        for key, (allowed, words) in MODEL_RULES.items():
+            if not allowed(getattr(self, key)):
+                raise ValueError(f"{key}={getattr(self, key)!r}: allowed values are {words}")
+        for bad, message in self._conflicts():
+            if bad:
+                raise ValueError(message)
         if self.block_split == "ceil" and self.residual in ("attnres", "delta_block"):
             self._check_ceil_split()
-        if self.residual == "baseline" and (self.gate or self.null_source or self.query_init_std > 0):
-            raise ValueError("gate, null_source and query_init_std need a routed method; residual='baseline' "
-                             "has no routing")
-        if self.learned_null and not self.null_source:
-            raise ValueError("learned_null=True: the learned vector is the null source; set null_source=True too")
-        if self.gate and self.residual in ("attnres", "full_attnres"):
-            raise ValueError(f"gate=True is for additive routing (delta, delta_block); {self.residual!r} "
-                             "replaces the sublayer input, so a zero gate would feed it zeros")
-        if self.query_init_std == -1:
-            self.query_init_std = GATED_QUERY_INIT_STD if self.gate else 0.0
+
+    def _conflicts(self) -> list[tuple[bool, str]]:
+        """The checks across fields, each (the settings do not fit, why), in the order they are reported."""
+        blocked = self.residual in ("attnres", "delta_block")
+        return [
+            (self.sources == "states" and (self.residual == "baseline" or self.block_source == "paper"),
+             "sources='states' needs a routed method and block_source='boundary' (the paper's variant is a "
+             "construction of deltas of its own)"),
+            (blocked and not 1 <= self.n_blocks <= self.n_layers, f"n_blocks={self.n_blocks}: allowed values are "
+             f"1..n_layers={self.n_layers} (blocks are made of whole layers)"),
+            (self.n_heads % self.n_kv_heads != 0,
+             f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"),
+            (self.residual != "delta_block" and (self.block_source != "boundary" or not self.include_partial),
+             f"block_source and include_partial choose Delta Block's sources; residual={self.residual!r} has no "
+             "block deltas (use residual='delta_block')"),
+            (self.residual == "baseline" and (self.gate or self.null_source or (self.query_init_std or 0) > 0),
+             "gate, null_source and query_init_std need a routed method; residual='baseline' has no routing"),
+            (self.learned_null and not self.null_source,
+             "learned_null=True: the learned vector is the null source; set null_source=True too"),
+            (self.gate and self.residual in ("attnres", "full_attnres"),
+             f"gate=True is for additive routing (delta, delta_block); {self.residual!r} replaces the sublayer "
+             "input, so a zero gate would feed it zeros"),
+        ]
+
+    @property
+    def query_std(self) -> float:
+        """The routers' query init std: query_init_std, or its default (None) resolved, 0 or gated 0.02."""
+        if self.query_init_std is not None:
+            return self.query_init_std
+        return GATED_QUERY_INIT_STD if self.gate else 0.0
 
     def _check_ceil_split(self) -> None:
         """Blocks of ceil(L / K) layers can be fewer than K (12 layers, K = 5: 4 blocks of 3)."""
@@ -256,7 +271,7 @@ class Model(nn.Module):
         # Routers sit at the root, not inside layers: they are tiny, and a block's reads may need the
         # queries of several layers at once (which per-layer sharding would hide).
         n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
-        self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate, cfg.query_init_std, cfg.learned_null)
+        self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate, cfg.query_std, cfg.learned_null)
                                      for _ in range(n_receivers))
         self.route = depth_route        # Eq. 1 on the reference path (the kernel path reads with kernels/)
         self.routing_observer = None    # see router.DepthState; None costs nothing
@@ -264,10 +279,12 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) matrices; the two projections that write into the stream scaled by
-        1/sqrt(2 L) so the stream's variance does not grow with depth; norms at one; routers last, as Router says
-        (so that a seed gives a routed model exactly the baseline's backbone)."""
-        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        """Normal(0, init_std) matrices; with out_init="scaled" the two projections that write into the stream
+        at init_std / sqrt(2 L), so the stream's variance does not grow with depth ("plain": init_std, the
+        authors' code); norms at one; routers last, as Router says (so that a seed gives a routed model exactly
+        the baseline's backbone)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers) if self.cfg.out_init == "scaled" else std
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 writes_stream = name.endswith(("o_proj.weight", "down_proj.weight"))

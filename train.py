@@ -60,10 +60,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def param_groups(model: Model, cfg: TrainConfig) -> list[dict]:
-    """Weight decay on matrices only; norms, router queries/norms/gates are 1-D or scalar."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """Weight decay on matrices only (weight_decay_on="matrices": norms and router queries, norms, gates and null
+    sources are 1-D), or on every parameter ("all", the authors' code), which pulls norms and routers to 0."""
+    decays = (lambda p: True) if cfg.weight_decay_on == "all" else (lambda p: p.dim() >= 2)
+    groups = [{"params": [p for p in model.parameters() if decays(p)], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in model.parameters() if not decays(p)], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

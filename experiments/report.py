@@ -142,7 +142,8 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
              f"tok/s: training throughput from log.jsonl, relative to the section's baseline. Saved activations: "
              f"bytes autograd keeps for backward in one step (kernels.tools.memory.saved_bytes, batch {MEMORY_SHAPE[0]} x "
              f"{MEMORY_SHAPE[1]}), relative to the baseline. Routing: eval.routing_analysis on 32 held-out windows, "
-             f"mean over receivers with 2+ sources of the max mean weight and of H(a)/log N."]
+             f"mean over receivers with 2+ sources of the per-token max weight and normalised entropy H(a)/log N, "
+             f"averaged over tokens."]
     if not isinstance(memory.get("triton"), dict):
         lines.append(f"Kernel-path memory: {memory.get('triton', 'not measured')}.")
     for section in sections:

@@ -1,6 +1,6 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python -m experiments.sweep                      # every run into runs/sweep (34 runs, 3.5 core-hours), then
+    python -m experiments.sweep                      # every run into runs/sweep (53 runs, 5.4 core-hours), then
                                                      # its table compared with the committed results/sweep
                                                      # (runs/sweep/compare.md)
     python -m experiments.sweep --out results/sweep  # the same into the committed folder (what was published)

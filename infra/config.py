@@ -23,6 +23,8 @@ from infra.distributed import PARALLEL, PRECISIONS
 from model import ModelConfig
 
 C = TypeVar("C")
+WEIGHT_DECAY_ON = ("matrices", "all")
+TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # the annotations config fields use, "T" or "T | None"
 
 
 class ConfigError(cli.UsageError):
@@ -42,7 +44,9 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
-    weight_decay: float = 0.1       # on matrices only (embedding included), never on norms or routers
+    weight_decay: float = 0.1       # AdamW's, on the parameters weight_decay_on names
+    weight_decay_on: str = "matrices"  # "matrices" (embedding included; never norms or routers) | "all" (every
+                                    # parameter: the authors' code); train.param_groups
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0          # 0 disables clipping
@@ -60,7 +64,8 @@ class TrainConfig:
     parallel: str = "ddp"           # "ddp" (replicas) | "fsdp" (FSDP2, sharded checkpoints); one process: plain
     compile: bool = False           # torch.compile each sublayer (distributed.compile_sublayers)
     compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager" traces without generating code)
-    precision: str = "auto"         # "auto" (bf16 on CUDA, fp32 on CPU) | "bf16" | "fp32": distributed.py's rule
+    precision: str = "auto"         # "auto" (bf16 on CUDA, fp32 on CPU) | "bf16" | "fp32" | "bf16-params" (the
+                                    # whole model in bf16: the authors' code): distributed.py's rule
     activation_checkpointing: bool = False  # recompute each sublayer in backward
     peak_flops: float = 989e12      # per device, for MFU: H100 SXM dense bf16
     wandb: bool = False             # also log to Weights & Biases (needs `pip install wandb`)
@@ -94,6 +99,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
     "parallel": (lambda v: v in PARALLEL, ", ".join(PARALLEL)),
     "precision": (lambda v: v in PRECISIONS, ", ".join(PRECISIONS)), "compile_backend": NAME,
+    "weight_decay_on": (lambda v: v in WEIGHT_DECAY_ON, ", ".join(WEIGHT_DECAY_ON)),
 }
 
 
@@ -105,7 +111,15 @@ def check_ranges(cfg, ranges: dict[str, Range]) -> None:
             raise ConfigError(f"{key}={value!r}: allowed values are {words}")
 
 
-def _parse_value(key: str, text: str, typ: type):
+def field_type(annotation: str) -> tuple[type, bool]:
+    """(the type, whether None is allowed) of a field annotated "T" or "T | None"."""
+    name, _, rest = annotation.partition(" | ")
+    return TYPES.get(name, name), rest == "None"
+
+
+def _parse_value(key: str, text: str, typ: type, optional: bool):
+    if optional and text == "None":
+        return None
     if typ is bool:
         if text.lower() in ("1", "true", "yes", ""):
             return True
@@ -117,15 +131,18 @@ def _parse_value(key: str, text: str, typ: type):
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ConfigError(f"--{key}={text}: expected {typ.__name__}") from None
+        raise ConfigError(f"--{key}={text}: expected {typ.__name__}{' or None' if optional else ''}") from None
     return value
 
 
-def _check_type(key: str, value, typ: type):
+def _check_type(key: str, value, typ: type, optional: bool):
+    if optional and value is None:
+        return None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"config key {key!r} = {value!r}: expected {typ.__name__}, got {type(value).__name__}")
+        expected = f"{typ.__name__}{' or None' if optional else ''}"
+        raise ConfigError(f"config key {key!r} = {value!r}: expected {expected}, got {type(value).__name__}")
     return value
 
 
@@ -133,8 +150,7 @@ def load_config(argv: list[str], classes: tuple = (ModelConfig, TrainConfig)) ->
     """argv: [CONFIG.py] [--key=value ...] -> one instance per dataclass in `classes`, each field type-checked;
     a key that belongs to none of them is an error."""
     owner = {f.name: cls for cls in classes for f in fields(cls)}
-    names = {"int": int, "float": float, "bool": bool, "str": str}
-    types = {f.name: names.get(f.type, f.type) for cls in classes for f in fields(cls)}
+    types = {f.name: field_type(f.type) for cls in classes for f in fields(cls)}
     values: dict[str, object] = {}
     args = list(argv)
     if args and not args[0].startswith("--"):
@@ -150,11 +166,11 @@ def load_config(argv: list[str], classes: tuple = (ModelConfig, TrainConfig)) ->
         key, _, text = arg[2:].partition("=")
         if key not in types:
             raise _unknown(key, types)
-        values[key] = _parse_value(key, text, types[key])
+        values[key] = _parse_value(key, text, *types[key])
     for key in values:
         if key not in types:
             raise _unknown(key, types)
-    values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
+    values = {k: _check_type(k, v, *types[k]) for k, v in values.items()}
     return tuple(checked(cls, {k: v for k, v in values.items() if owner[k] is cls}) for cls in classes)
 
 

@@ -4,7 +4,7 @@ SIGINT/SIGTERM, DDP or FSDP2 wrapping with activation checkpointing and per-subl
 gradient-sync control. Checkpoints are checkpoint.py's.
 
 The precision rule, one for a single process, DDP and FSDP2 (`precision="auto"`: "bf16" on CUDA, "fp32" on the
-CPU; either can be asked for on any device):
+CPU; any of the three can be asked for on any device):
 
     bf16    the matrix multiplies (attention and MLP projections, the LM head) run in bf16 under autocast;
             everything else computes in fp32: the embedding e, so the residual stream h~ sums in fp32; the
@@ -16,6 +16,17 @@ CPU; either can be asked for on any device):
             casts the matrices to, while the layers' q/k-norm weights become bf16 copies: `shard`) and
             reduces gradients in fp32.
     fp32    everything in fp32, no autocast.
+    bf16-params  the authors' recipe: the whole model cast to bf16 (`model.to(torch.bfloat16)` in `parallelize`),
+            no autocast. Parameters, gradients, AdamW's states, the embedding and so the residual stream, every
+            source, norm weight and router parameter are bf16; RMSNorm and the depth softmax still compute in
+            fp32 inside and return bf16 (router.py), and the loss is fp32 (train.loss_fn). DDP all-reduces bf16
+            gradients; FSDP2 gathers the bf16 shards as they are and reduces gradients in fp32. It saves half the
+            bytes of parameters, gradients and AdamW's states (8 per parameter, not 16). It costs precision: the
+            stream rounds to 8 significant bits at every residual add, and a change smaller than half the
+            spacing of bf16 numbers at a weight (2^-9 to 2^-8 of its size) is rounded away. So a norm weight at 1
+            ignores AdamW steps (about lr in size) below 0.002 downwards and 0.004 upwards (at lr 3e-3 it can
+            only fall), and AdamW's decoupled decay, a multiply by 1 - lr * weight_decay apart from the step
+            (torch's foreach and single-tensor AdamW), does nothing while lr * weight_decay < 2^-9.
 """
 from __future__ import annotations
 
@@ -40,7 +51,7 @@ from infra import cli
 from model import Model
 
 PARALLEL = ("ddp", "fsdp")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32", "bf16-params")
 T = TypeVar("T")
 
 
@@ -79,13 +90,15 @@ def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
         raise cli.UsageError(f"precision={precision!r}: allowed values are {', '.join(PRECISIONS)}")
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return torch.bfloat16 if precision in ("bf16", "bf16-params") else torch.float32
 
 
 def autocast(device: torch.device, precision: str = "auto") -> ContextManager:
-    """The precision rule for forward passes (the module's docstring): bf16 autocast, or none (fp32)."""
+    """The precision rule for forward passes (the module's docstring): bf16 autocast, or none (fp32, and
+    bf16-params, whose model is bf16 already)."""
     dtype = compute_dtype(device, precision)
-    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    use = dtype != torch.float32 and precision != "bf16-params"
+    return torch.autocast(device.type, dtype=dtype) if use else nullcontext()
 
 
 def setup(device: str = "auto", timeout_s: float = 600.0) -> Context:
@@ -242,10 +255,13 @@ def check_compile_backend(backend: str) -> None:
 
 def parallelize(model: Model, parallel: str, ctx: Context, *, activation_checkpointing: bool = False,
                 compile: bool = False, compile_backend: str = "inductor", precision: str = "auto") -> nn.Module:
-    """Apply compilation, activation checkpointing (around the compiled forwards), then DDP or FSDP2.
-    Returns the module to call; its parameter names (and, except under FSDP, objects) are `model`'s."""
+    """Cast to bf16 for precision="bf16-params", apply compilation, activation checkpointing (around the compiled
+    forwards), then DDP or FSDP2. Returns the module to call; its parameter names (and, except under FSDP,
+    objects: `.to` casts each parameter's data in place) are `model`'s."""
     if parallel not in PARALLEL:
         raise cli.UsageError(f"parallel={parallel!r}: allowed values are {', '.join(PARALLEL)}")
+    if precision == "bf16-params":
+        model.to(torch.bfloat16)
     if compile:
         check_compile_backend(compile_backend)
         # Under DDP dynamo would cut every compiled graph at DDP's gradient-bucket boundaries (optimize_ddp),

@@ -1,5 +1,5 @@
-"""train.py under `torchrun --nproc_per_node=2` (gloo on CPU): DDP equals one process, FSDP2 equals DDP,
-exact resume from a sharded checkpoint (also on another world size), disjoint rank windows, a time budget
+"""train.py under `torchrun --nproc_per_node=2` (gloo on CPU): DDP equals one process, FSDP2 equals DDP (also
+with the whole model in bf16), exact resume from a sharded checkpoint (also on another world size), disjoint rank windows, a time budget
 that stops every rank at the same step; and the command line under torchrun: the derived micro-batch, SIGTERM
 saving on every rank, one error line, a hung rank that ends the job.
 
@@ -63,9 +63,9 @@ PRECISE = dict(kernel="triton", model=dict(gate=True, null_source=True, learned_
 COMPILED = dict(kernel="triton", compile=True, compile_backend="graph_counter", seq_len=8, max_steps=3, batch_size=4)
 
 
-def precision_dtypes(parallel: str, ctx: distributed.Context) -> dict[str, list[str]]:
-    """The dtypes one forward under precision="bf16" computes in, wrapped as train.py wraps it: the residual
-    stream (the final norm's input), the sources, the router parameters, the sublayer outputs."""
+def precision_dtypes(parallel: str, ctx: distributed.Context, precision: str = "bf16") -> dict[str, list[str]]:
+    """The dtypes one forward under `precision` computes in, wrapped as train.py wraps it: the residual stream
+    (the final norm's input), the sources, the router parameters, the sublayer outputs."""
     torch.manual_seed(0)
     model = Model(ModelConfig(residual="delta_block", kernel="triton", **SMALL, **PRECISE["model"]))
     seen: dict[str, set] = {"stream": set(), "sources": set(), "routers": set(), "outputs": set()}
@@ -78,8 +78,8 @@ def precision_dtypes(parallel: str, ctx: distributed.Context) -> dict[str, list[
     for layer in model.layers:
         for m in (layer.self_attn, layer.mlp):
             m.register_forward_hook(lambda m, args, out: seen["outputs"].add(str(out.dtype)))
-    wrapped = distributed.parallelize(model, parallel, ctx, precision="bf16")
-    with distributed.autocast(ctx.device, "bf16"):
+    wrapped = distributed.parallelize(model, parallel, ctx, precision=precision)
+    with distributed.autocast(ctx.device, precision):
         wrapped(torch.randint(0, model.cfg.vocab_size, (2, 8)))
     return {k: sorted(v) for k, v in seen.items()}
 
@@ -138,6 +138,11 @@ def worker(out_dir: str) -> None:
     run("fsdp_bf16", "delta_block", parallel="fsdp", **PRECISE)
     ctx = distributed.Context(rank, 2, torch.device("cpu"), owns_group=False)
     results["dtypes"] = {parallel: precision_dtypes(parallel, ctx) for parallel in ("ddp", "fsdp")}
+    # the authors' recipe, the whole model in bf16: DDP all-reduces bf16 gradients, FSDP2 shards bf16 parameters
+    run("ddp_bf16_params", "delta_block", precision="bf16-params")
+    run("fsdp_bf16_params", "delta_block", parallel="fsdp", precision="bf16-params")
+    results["dtypes_bf16_params"] = {parallel: precision_dtypes(parallel, ctx, "bf16-params")
+                                     for parallel in ("ddp", "fsdp")}
     # compiled sublayers under DDP with one bucket per parameter: dynamo must not cut the graphs at buckets
     ddp = distributed.DistributedDataParallel
 
@@ -213,6 +218,8 @@ def single(tmp_path_factory):
             spy = WindowSpy(mp.setattr)
             results[residual] = train.train(*configs(residual, out / residual, micro_batch_size=8))
             results[residual]["windows"] = spy.ids
+    results["bf16_params"] = train.train(*configs("delta_block", out / "bf16_params", micro_batch_size=8,
+                                                  precision="bf16-params"))
     return results
 
 
@@ -258,6 +265,20 @@ def test_one_precision_rule_for_ddp_and_fsdp(two_ranks):
     assert results["dtypes"] == {"ddp": expected, "fsdp": expected}
     ddp, fsdp = results["ddp_bf16"]["losses"], results["fsdp_bf16"]["losses"]
     assert fsdp == pytest.approx(ddp, abs=1e-4, rel=0)
+    assert ddp[-1] < ddp[0] - 0.05
+
+
+def test_bf16_params_under_ddp_and_fsdp(two_ranks, single):
+    """precision="bf16-params": under DDP and FSDP2 the stream, the sources, every router parameter and the
+    sublayer outputs are bf16, and both train as one process does, up to bf16 rounding (the gradients of two
+    micro-batches are summed in bf16 under accumulation, once without)."""
+    results, _ = two_ranks
+    bf16 = ["torch.bfloat16"]
+    expected = {"stream": bf16, "sources": bf16, "routers": bf16, "outputs": bf16}
+    assert results["dtypes_bf16_params"] == {"ddp": expected, "fsdp": expected}
+    ddp, fsdp = results["ddp_bf16_params"]["losses"], results["fsdp_bf16_params"]["losses"]
+    assert ddp == pytest.approx(single["bf16_params"]["losses"], abs=2e-2, rel=0)
+    assert fsdp == pytest.approx(ddp, abs=2e-2, rel=0)
     assert ddp[-1] < ddp[0] - 0.05
 
 

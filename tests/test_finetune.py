@@ -1,11 +1,15 @@
 """finetune.py: router learning rates, the step-0 identity check and its log, freezing the backbone, export,
-the prepared text and its reuse, the CLI, and the paper's fine-tuning configs."""
+the prepared text and its reuse, validation on WikiText-2 (val_text, through `datasets`: local files and a stand-in
+for the hub), the CLI, and the paper's fine-tuning configs."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from infra import checkpoint
+from infra import shards
+from infra.tokenizer import get_tokenizer
 import finetune
 from infra.config import ConfigError, TrainConfig, load_config
 from finetune import FinetuneConfig
@@ -125,7 +129,7 @@ def test_cli_errors(ckpts, corpus, tmp_path):
         finetune.main(run_args(folder, corpus, tmp_path, "--freeze_backbone=true"))
 
 
-@pytest.mark.parametrize("name", ["delta_block", "baseline"])
+@pytest.mark.parametrize("name", ["delta_block", "attnres", "baseline"])
 def test_paper_configs_fit_the_released_qwen3_0p6b(name):
     model_cfg, cfg, ft = load_config([f"configs/finetune_qwen3_0p6b_{name}.py"],
                                      classes=(ModelConfig, TrainConfig, FinetuneConfig))
@@ -134,13 +138,87 @@ def test_paper_configs_fit_the_released_qwen3_0p6b(name):
     assert converted.residual == name
     if name == "delta_block":
         assert converted.null_source and cfg.lr * ft.router_lr_scale == pytest.approx(5e-3)
+    if name == "attnres":   # Table 5's router lr; Table 2's N = 28 blocks, a block per layer
+        assert cfg.lr * ft.router_lr_scale == pytest.approx(5e-3)
+        assert (converted.n_blocks, converted.n_layers, converted.null_source) == (28, 28, False)
+        assert not converted.gate
 
 
 @pytest.mark.parametrize("arg, allowed", [("router_lr_scale=-1.0", "finite numbers >= 0"),
                                           ("text_val_docs=0", "integers >= 1"),
                                           ("text_max_tokens=-5", r"0 \(the whole text\) or integers >= 1"),
-                                          ("text=", "'fineweb', or a .txt / .jsonl file or folder")])
+                                          ("text=", "'fineweb', or a .txt / .jsonl file or folder"),
+                                          ("val_text=wiki.csv", r"'' \(text's first documents\), 'wikitext2'")])
 def test_nonsense_finetune_values_name_key_value_and_allowed_values(arg, allowed):
     key, value = arg.split("=")
-    with pytest.raises(ValueError, match=rf"^{key}={value or repr('')}: allowed values are {allowed}"):
+    shown = repr(value) if key in ("text", "val_text") else value     # string fields are shown quoted
+    with pytest.raises(ValueError, match=rf"^{key}={shown}: allowed values are {allowed}"):
         load_config([f"--{arg}"], classes=(ModelConfig, TrainConfig, FinetuneConfig))
+
+
+# ----------------------------------------------------------------------------------------- val_text (WikiText-2)
+
+VAL_ROWS = [" = Valkyria Chronicles = \n", "", " the river runs over the stone \n", " the old hill \n"]
+
+
+def val_tokens(folder, text):
+    tok = get_tokenizer(str(folder / "tokenizer.json"), str(folder / "tokenizer.json"))
+    return tok.encode(text) + [tok.eot]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_local_val_text_file_becomes_the_val_split(ckpts, corpus, tmp_path, suffix):
+    """The same `datasets` path as WikiText-2's, offline: rows joined by blank lines, tokenised with the
+    checkpoint's tokenizer, as the val split; the text's own held-out documents kept as text_val."""
+    folder, _ = ckpts["tied"]
+    path = tmp_path / f"wiki{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps({"text": row}) + "\n" for row in VAL_ROWS))
+    else:
+        pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.table({"text": VAL_ROWS}), str(path))
+    plain = finetune.prepare_text(FinetuneConfig(init_from=str(folder), text=str(corpus), text_val_docs=10),
+                                  str(tmp_path / "plain"))
+    ft = FinetuneConfig(init_from=str(folder), text=str(corpus), text_val_docs=10, val_text=str(path))
+    meta = finetune.prepare_text(ft, str(tmp_path / "d"))
+    val = shards.read_shard(str(tmp_path / "d" / "val_000000.bin"))
+    assert val.tolist() == val_tokens(folder, "\n\n".join(VAL_ROWS))
+    assert meta["val_tokens"] == len(val) and meta["val_text"] == str(path)
+    kept = shards.read_shard(str(tmp_path / "d" / "text_val_000000.bin"))
+    assert np.array_equal(kept, shards.read_shard(str(tmp_path / "plain" / "val_000000.bin")))
+    assert meta["text_val_tokens"] == plain["val_tokens"] and meta["train_tokens"] == plain["train_tokens"]
+    assert finetune.prepare_text(ft, str(tmp_path / "d")) == meta == shards.load_meta(str(tmp_path / "d"))
+    ft.val_text = ""
+    with pytest.raises(ValueError, match="holds shards prepared from"):
+        finetune.prepare_text(ft, str(tmp_path / "d"))
+
+
+def test_wikitext2_is_its_validation_split_and_an_unreachable_hub_is_one_line(ckpts, corpus, tmp_path,
+                                                                             monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    folder, _ = ckpts["tied"]
+    calls = []
+
+    def hub(*args, **kwargs):
+        calls.append((args, kwargs))
+        return {"text": VAL_ROWS}
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    ft = FinetuneConfig(init_from=str(folder), text=str(corpus), text_val_docs=10, val_text="wikitext2")
+    finetune.prepare_text(ft, str(tmp_path / "d"))
+    (args, kwargs), = calls
+    assert args == ("wikitext", "wikitext-2-raw-v1") and kwargs["split"] == "validation"
+    val = shards.read_shard(str(tmp_path / "d" / "val_000000.bin"))
+    assert val.tolist() == val_tokens(folder, "\n\n".join(VAL_ROWS))
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    message = (r"^val_text='wikitext2': could not load wikitext/wikitext-2-raw-v1 \(validation\): "
+               r"ConnectionError: Couldn't reach 'wikitext' on the Hub \(LocalEntryNotFoundError\)$")
+    with pytest.raises(shards.DataError, match=message):
+        finetune.prepare_text(ft, str(tmp_path / "e"))
+    assert not (tmp_path / "e" / "finetune_text.json").exists()   # not marked prepared
+    with pytest.raises(FileNotFoundError, match="val_text=.*: no such file"):
+        finetune.load_val_text(str(tmp_path / "missing.jsonl"), str(tmp_path / "cache"))

@@ -189,7 +189,7 @@ def test_gated_init_is_the_baseline_and_learns_from_the_first_step(routed):
     query of a receiver that reads 2+ sources (one source has weight 1 whatever the query)."""
     idx = tokens(T=12)
     model = seeded(**routed, gate=True)
-    assert model.cfg.query_init_std == GATED_QUERY_INIT_STD
+    assert model.cfg.query_std == GATED_QUERY_INIT_STD and model.cfg.query_init_std is None
     assert torch.equal(model(idx), seeded()(idx))
     queries = torch.stack([r.query for r in model.routers])
     assert 0.5 * GATED_QUERY_INIT_STD < queries.std() < 2 * GATED_QUERY_INIT_STD
@@ -227,11 +227,28 @@ def test_learned_null_source_starts_as_the_constant_one_and_learns():
 
 
 def test_query_init_std():
-    assert seeded(residual="delta").cfg.query_init_std == 0.0
-    assert all(torch.equal(r.query, torch.zeros(TINY["d_model"])) for r in seeded(residual="delta").routers)
+    """None is the default, resolved where the routers are made and never written back into the config (which
+    a checkpoint records and --resume compares)."""
+    model = seeded(residual="delta")
+    assert model.cfg.query_init_std is None and model.cfg.query_std == 0.0
+    assert all(torch.equal(r.query, torch.zeros(TINY["d_model"])) for r in model.routers)
     model = seeded(residual="attnres", n_blocks=3, query_init_std=0.5)
     assert 0.4 < torch.stack([r.query for r in model.routers]).std() < 0.6
-    assert ModelConfig(**TINY, residual="delta", gate=True, query_init_std=0.0).query_init_std == 0.0
+    assert ModelConfig(**TINY, residual="delta", gate=True, query_init_std=0.0).query_std == 0.0
+    gated = ModelConfig(**TINY, residual="delta", gate=True)
+    assert (gated.query_init_std, gated.query_std) == (None, GATED_QUERY_INIT_STD)
+
+
+@pytest.mark.parametrize("out_init", ["scaled", "plain"])
+def test_out_init_std_of_the_projections_that_write_the_stream(out_init):
+    """"scaled": o_proj and down_proj at init_std / sqrt(2 L) (here 0.02 / sqrt(12) = 0.0058); "plain" (the
+    authors' code): every matrix at init_std. The other matrices are at init_std either way."""
+    model = Model(ModelConfig(**TINY, residual="delta_block", n_blocks=3, out_init=out_init))
+    expected = 0.02 / (2 * TINY["n_layers"]) ** 0.5 if out_init == "scaled" else 0.02
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            std = expected if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            assert abs(p.std().item() / std - 1) < 0.1, (name, p.std().item(), std)
 
 
 def test_paper_sources_have_no_router_for_sublayer_0():
@@ -307,7 +324,13 @@ def test_router_counts():
     (dict(residual="baseline", query_init_std=0.02), "need a routed method"),
     (dict(residual="delta_block", block_split="floor"), "block_split='floor': allowed values are even, ceil"),
     (dict(residual="attnres", n_blocks=5, block_split="ceil"), r"n_blocks=5 with block_split='ceil' makes 3 blocks"),
-    (dict(residual="delta", query_init_std=-0.5), r"query_init_std=-0.5: allowed values are a std >= 0, or -1"),
+    (dict(residual="delta", query_init_std=-0.5), r"query_init_std=-0.5: allowed values are a finite std >= 0, "
+                                                  r"or None for the default \(0, or 0.02 with gate=True\)"),
+    (dict(residual="delta", query_init_std=-1.0), r"query_init_std=-1.0: allowed values"),   # the old sentinel
+    (dict(out_init="zero"), "out_init='zero': allowed values are scaled, plain"),
+    (dict(head_dim=15), r"head_dim=15: allowed values are even integers >= 2 \(RoPE rotates pairs of channels\)"),
+    (dict(n_heads=4, n_kv_heads=3), "n_heads=4 is not a multiple of n_kv_heads=3"),
+    (dict(residual="baseline", sources="states"), "sources='states' needs a routed method"),
     (dict(residual="delta", query_init_std=float("nan")), "query_init_std=nan: allowed values"),
     (dict(residual="delta", learned_null=True), "learned_null=True: .* set null_source=True"),
 ])

@@ -181,7 +181,7 @@ def test_plans_are_well_formed():
     assert len(states) == 4 * 3
     init = next(s for s in full.sections if s.title.startswith("Initialisation"))
     gated = [r for r in plans.full_plan().runs if r.name in init.rows[-1][1]]
-    assert all(plans.model_config(r).gate and plans.model_config(r).query_init_std == 0.02 for r in gated)
+    assert all(plans.model_config(r).gate and plans.model_config(r).query_std == 0.02 for r in gated)
 
 
 def test_depth_plot_reads_every_depth_section(tmp_path):
@@ -197,3 +197,22 @@ def test_depth_plot_reads_every_depth_section(tmp_path):
     assert os.path.getsize(path) > 0
     with pytest.raises(ValueError):          # a method missing at one depth is not silently drawn as a point
         plots.plot_depth([rows(36, {"baseline": 0.0, "attnres": 3.0}), rows(12, {"baseline": 0.0})], path, plt)
+
+
+def test_each_recipe_row_changes_one_choice_of_delta_block():
+    """The recipe rows are Table 1's delta_block runs with exactly one config field set the authors' way."""
+    from dataclasses import asdict
+    full = plans.full_plan()
+    recipe = next(s for s in full.sections if s.title.startswith("Recipe"))
+    runs = {r.name: r for r in full.runs}
+    changed = []
+    for label, row in recipe.rows[2:]:
+        for name in row:
+            seed = int(name.rsplit("_s", 1)[1])
+            ref, run = runs[f"t1_delta_block_s{seed}"], runs[name]
+            diff = {k for a, b in zip((plans.model_config(ref), plans.train_config(ref)),
+                                      (plans.model_config(run), plans.train_config(run)))
+                    for k, v in asdict(b).items() if asdict(a)[k] != v and k != "out_dir"}
+            assert len(diff) == 1, (name, diff)
+            changed.append(diff.pop())
+    assert sorted(set(changed)) == ["out_init", "precision", "weight_decay_on"]

@@ -19,6 +19,7 @@ import torch
 from infra import checkpoint
 from infra import cli
 from infra import corpus
+from infra import distributed
 from infra import files
 from infra import runlog
 from infra import shards
@@ -54,6 +55,23 @@ def test_config_errors(argv, error, message):
     with pytest.raises(error, match=message) as raised:
         load_config(argv)
     assert isinstance(raised.value, cli.UserError)
+
+
+@pytest.mark.parametrize("text, value", [("0.02", 0.02), ("0", 0.0), ("None", None)])
+def test_an_optional_float_takes_a_number_or_none(text, value):
+    model_cfg, _ = load_config(["configs/tiny_delta_block.py", f"--query_init_std={text}"])
+    assert model_cfg.query_init_std == value and type(model_cfg.query_init_std) is type(value)
+
+
+def test_an_optional_float_refuses_anything_else(tmp_path):
+    with pytest.raises(ConfigError, match="--query_init_std=small: expected float or None"):
+        load_config(["configs/tiny_delta_block.py", "--query_init_std=small"])
+    path = tmp_path / "cfg.py"
+    path.write_text("residual = 'delta'\nquery_init_std = None\n")
+    assert load_config([str(path)])[0].query_init_std is None
+    path.write_text("residual = 'delta'\nquery_init_std = '0.02'\n")
+    with pytest.raises(ConfigError, match="'query_init_std' = '0.02': expected float or None, got str"):
+        load_config([str(path)])
 
 
 def test_unknown_key_in_config_file(tmp_path):
@@ -112,6 +130,14 @@ def test_jsonl_log_and_checkpoint_contents(tmp_path):
     assert ckpt["train_config"]["out_dir"] == str(tmp_path)
 
 
+def test_resume_of_a_run_with_the_default_query_init(tmp_path):
+    """The checkpoint records the config as given (query_init_std=None, never rewritten), so --resume with the
+    same command finds the same config."""
+    run(tmp_path, "--max_steps=1", "--gate")
+    assert checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path)[-1])["model_config"]["query_init_std"] is None
+    assert run(tmp_path, "--max_steps=2", "--gate", "--resume")["step"] == 2
+
+
 def test_resume_with_a_different_model_is_an_error(tmp_path):
     run(tmp_path, "--max_steps=1")
     with pytest.raises(ValueError, match="differs from the checkpoint's in \\['n_blocks'\\]"):
@@ -162,6 +188,63 @@ def test_micro_batch_left_out_is_the_batch_over_the_world_size():
 def test_fsdp_on_one_process_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="parallel='fsdp' on a single process shards nothing"):
         run(tmp_path, "--parallel=fsdp", "--max_steps=1")
+
+
+ROUTED = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, residual="delta_block",
+              n_blocks=2, gate=True, null_source=True, learned_null=True)
+
+
+@pytest.mark.parametrize("on", ["matrices", "all"])
+def test_weight_decay_on_matrices_or_on_every_parameter(on):
+    """"matrices": the 2-D parameters only (the embedding too), never a norm or router; "all" (the authors'
+    code): every one. One AdamW step on zero gradients moves exactly the decayed parameters that are not 0."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**ROUTED))
+    groups = train.param_groups(model, TrainConfig(weight_decay=0.1, weight_decay_on=on))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for g in groups for p in g["params"]) == sorted(names.values())  # each once
+    decayed = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    matrices = {n for n, p in model.named_parameters() if p.dim() == 2}
+    assert "embed_tokens.weight" in matrices and any(n.startswith("routers.") for n in names.values())
+    assert decayed == (matrices if on == "matrices" else set(names.values()))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(groups, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {n for n in decayed if before[n].abs().max() > 0}      # gates and null sources start at 0
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_bf16_params_computes_in_bf16_throughout(kernel):
+    """precision="bf16-params": parallelize casts the whole model; the stream, every source, router parameter,
+    sublayer output, the logits and every gradient are bf16."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**ROUTED, kernel=kernel))
+    seen = set()
+    model.routing_observer = lambda l, sources, router: seen.update(
+        {t.dtype for t in sources} | {p.dtype for p in router.parameters()})
+    model.norm.register_forward_pre_hook(lambda m, args: seen.add(args[0].dtype))
+    for layer in model.layers:
+        for m in (layer.self_attn, layer.mlp):
+            m.register_forward_hook(lambda m, args, out: seen.add(out.dtype))
+    ctx = distributed.Context(0, 1, torch.device("cpu"), owns_group=False)
+    wrapped = distributed.parallelize(model, "ddp", ctx, precision="bf16-params")
+    x = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    with distributed.autocast(ctx.device, "bf16-params"):
+        logits = wrapped(x)
+    train.loss_fn(wrapped, x, x).backward()
+    assert seen == {logits.dtype} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.grad.isfinite().all() for p in model.parameters())
+
+
+def test_bf16_params_trains_and_saves_bf16_weights(tmp_path):
+    result = run(tmp_path, "--max_steps=4", "--precision=bf16-params")
+    assert all(math.isfinite(v) for v in result["losses"]) and result["losses"][-1] < result["losses"][0]
+    weights = checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path)[-1])["model"]
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
 
 def test_wandb_not_installed_is_a_clear_error(tmp_path):
@@ -237,10 +320,13 @@ def test_a_lone_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     ("device=tpu", "auto, cpu, cuda"), ("min_lr_ratio=2.0", "numbers in"), ("eval_batches=0", "integers >= 1"),
     ("ckpt_minutes=-1.0", "finite numbers >= 0"), ("norm_eps=-1.0", "finite numbers >= 0"),
     ("max_bad_steps=0", "integers >= 1"), ("dist_timeout_s=0.0", "finite numbers > 0"), ("out_dir=", "non-empty"),
+    ("weight_decay_on=norms", "matrices, all"), ("precision=bf16_params", "auto, bf16, fp32, bf16-params"),
+    ("out_init=zero", "scaled, plain"),
 ])
 def test_nonsense_config_values_name_key_value_and_allowed_values(arg, allowed):
     key, value = arg.split("=")
-    shown = repr(value if key in ("device", "out_dir") else ast.literal_eval(value))  # as the config holds it
+    strings = ("device", "out_dir", "weight_decay_on", "precision", "out_init")
+    shown = repr(value if key in strings else ast.literal_eval(value))  # as the config holds it
     with pytest.raises(ValueError, match=f"^{key}={re.escape(shown)}: allowed values are {allowed}"):
         load_config(["configs/tiny_delta_block.py", f"--{arg}"])
 
