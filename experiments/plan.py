@@ -105,7 +105,8 @@ class Section:
     title: str
     note: str
     rows: list[tuple[str, list[str]]]   # (label, run names); the first row is the reference (baseline)
-    plots: tuple[str, ...] = ()         # "curves" (val loss over seeds), "blocks" (PPL vs sources), "depth"
+    plots: tuple[str, ...] = ()         # "curves" (val loss over seeds), "blocks" (PPL vs sources), "depth",
+                                        # "grid" (PPL change per grid point, and report.factorial's effects)
 
 
 @dataclass
@@ -172,7 +173,7 @@ def full_plan() -> Plan:
                 "methods are granularity x use with deltas as sources; sources='states' swaps each delta for the "
                 "stream at the same place (the cumulative states of Sec. 2.2). Block sums and boundary deltas are "
                 "the same numbers (B_b = h~_{tau_{b+1}} - h~_{tau_b}); the authors' deltas are the alternating sums "
-                "of their code, with its other changes (commit timing, no partial, no read at sublayer 0).", grid),
+                "of their code, with its other changes (commit timing, no partial, no read at sublayer 0).", grid, ("grid",)),
         Section("Recipe: delta_block trained the authors' way, one difference at a time", "Each row changes one "
                 "choice of this repository's recipe to the authors' code's (docs/method.md, 'Recipe differences "
                 "from the authors' code'); the change vs the baseline is paired by seed. Saved activations are "
@@ -210,7 +211,7 @@ def depth_plan() -> Plan:
             rows.append((f"{label}, {sources}", names))
     sections.append(Section(f"{n_layers} layers: the grid's block points, equal steps, 3 seeds", "Block sums "
                             "(= boundary deltas) or boundary states, replacement (attnres) or additive (delta_block).",
-                            rows))
+                            rows, ("grid",)))
     return Plan("depth_sweep", DEPTH_CONFIG, runs, sections)
 
 

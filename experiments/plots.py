@@ -1,4 +1,4 @@
-"""The sweeps' plots: validation curves over seeds, PPL against the number of blocks, PPL change by depth,
+"""The sweeps' plots: validation curves over seeds, PPL against the number of blocks, PPL change by depth and per grid point,
 and the routing weights of attnres against delta_block."""
 from __future__ import annotations
 
@@ -79,8 +79,28 @@ def plot_depth(sections: list[list[dict]], path: str, plt) -> None:
     plt.close(fig)
 
 
+def plot_grid(section: Section, rows: list[dict], path: str, plt) -> None:
+    """The paired PPL change vs the baseline of every point of a grid section, mean ± std over seeds, with each
+    seed's value; additive points blue, replacement orange, the authors' variant grey."""
+    points = [r for r in rows if r["label"] != "baseline"]
+    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.42 * len(points)))
+    for y, r in enumerate(points):
+        color = "0.5" if "authors'" in r["label"] else ("C0" if r["residual"] in ("delta", "delta_block") else "C1")
+        ax.errorbar(r["ppl_change_pct"], y, xerr=r["ppl_change_pct_std"], fmt="o", color=color, capsize=3)
+        ax.plot(r["ppl_change_pct_seeds"], [y] * len(r["ppl_change_pct_seeds"]), "x", color=color, alpha=0.5)
+    ax.set_yticks(range(len(points)), [r["label"] for r in points], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(0.0, color="gray", lw=0.5)
+    ax.set(xlabel="val PPL vs the baseline, paired by seed (%): mean ± std (o), each seed (x)",
+           title=section.title.split(",")[0] + f" ({points[0]['n_layers']} layers)" if points else section.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, out: str) -> list[str]:
     """The plots the sections ask for: val_loss.png ("curves"; val_loss_<i>.png for a later one), blocks.png,
+    grid.png ("grid"; grid_<i>.png for a later one),
     depth.png (every "depth" section in one), and routing_*.png (attnres vs delta_block of the first section)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -98,6 +118,10 @@ def plot(sections: list[Section], rows: dict[str, list[dict]], figures: dict, ou
         if "blocks" in section.plots and blocks:
             paths.append(os.path.join(out, "blocks.png"))
             plot_blocks(blocks, rows[section.title][0], seed_std, paths[-1], plt)
+    grids = [s for s in sections if "grid" in s.plots and len(rows.get(s.title, [])) > 1]
+    for i, section in enumerate(grids):
+        paths.append(os.path.join(out, "grid.png" if i == 0 else f"grid_{i}.png"))
+        plot_grid(section, rows[section.title], paths[-1], plt)
     depth = [rows.get(s.title, []) for s in sections if "depth" in s.plots]
     finished = set.intersection(*({r["label"] for r in d} for d in depth)) if depth else set()
     depth = [[r for r in d if r["label"] in finished] for d in depth]   # methods finished at every depth

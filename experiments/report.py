@@ -121,7 +121,7 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
             "label": label, "runs": names, "residual": cfg.residual, "n_layers": cfg.n_layers,
             "sources": n_sources(cfg), "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
             "wall_s": float(np.mean([f["wall_s"] for f in got])), "val_ppl": ppl, "val_ppl_std": ppl_std,
-            "ppl_change_pct": change_mean, "ppl_change_pct_std": change_std,
+            "ppl_change_pct": change_mean, "ppl_change_pct_std": change_std, "ppl_change_pct_seeds": change,
             "tok_per_s_rel": float(np.mean([f["tok_per_s"] for f in got]) / ref_speed),
             "saved_bytes_rel": {k: v[key] / v[ref_key] for k, v in memory.items() if isinstance(v, dict)},
             "mean_max_weight": float(np.mean([r["mean_max_weight"] for r in routed])) if routed else None,
@@ -129,11 +129,69 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
     return rows
 
 
+# The grid's factors (plan.GRID): each routed point is one level of each; the authors' variant and the baseline
+# are outside the 2 x 2 x 2 design.
+FACTORS = {"sources": ("deltas", "states"), "use": ("replacement", "additive"), "granularity": ("fine", "block")}
+
+
+def factor_levels(cfg: ModelConfig) -> dict[str, str] | None:
+    """The grid point a config is: {factor: level}, or None outside the design."""
+    if cfg.residual == "baseline" or cfg.block_source != "boundary":
+        return None
+    return {"sources": cfg.sources, "use": "additive" if cfg.residual in ("delta", "delta_block") else "replacement",
+            "granularity": "fine" if cfg.residual in ("delta", "full_attnres") else "block"}
+
+
+def factorial(section: Section, runs: dict[str, Run], rows: list[dict]) -> list[dict]:
+    """The grid's effects on the paired PPL change (%), one per factor and per level of each other factor.
+
+    A factor's effect at seed s is the mean change of the points at its second level minus the mean at its first
+    (a main effect over every point of the design in the section, or a simple effect within one level of another
+    factor); the mean and std are over seeds, and `agree` counts the seeds whose effect has the mean's sign. Points
+    are paired by seed throughout, so the baseline's own seed noise cancels."""
+    points = []
+    for r in rows:
+        levels = factor_levels(model_config(runs[r["runs"][0]]))
+        if levels is not None:
+            points.append((levels, dict(zip(r["seeds"], r["ppl_change_pct_seeds"]))))
+    seeds = sorted(set.intersection(*(set(c) for _, c in points))) if points else []
+    effects = []
+    for factor, (low, high) in FACTORS.items():
+        present = {lv[factor] for lv, _ in points}
+        if present != {low, high}:
+            continue
+        scopes = [("all", None)] + [(f"{other}={level}", (other, level)) for other in FACTORS if other != factor
+                                    for level in FACTORS[other] if len({lv[other] for lv, _ in points}) > 1]
+        for scope, within in scopes:
+            chosen = [(lv, c) for lv, c in points if within is None or lv[within[0]] == within[1]]
+            if len({lv[factor] for lv, _ in chosen}) < 2:
+                continue
+            per_seed = [np.mean([c[s] for lv, c in chosen if lv[factor] == high]) -
+                        np.mean([c[s] for lv, c in chosen if lv[factor] == low]) for s in seeds]
+            mean, std = _mean_std(per_seed)
+            effects.append({"factor": factor, "contrast": f"{high} - {low}", "within": scope, "seeds": seeds,
+                            "effect_pct": mean, "effect_pct_std": std, "per_seed": [float(v) for v in per_seed],
+                            "agree": int(sum(np.sign(v) == np.sign(mean) for v in per_seed))})
+    return effects
+
+
+def factorial_markdown(effects: list[dict]) -> list[str]:
+    lines = ["", "Effects on the PPL change vs the baseline (percentage points, paired by seed; mean ± std over "
+             "seeds; 'agree': seeds with the mean's sign):", "",
+             "| factor | contrast | within | effect | per seed | agree |", "|---|---|---|---|---|---|"]
+    for e in effects:
+        lines.append(f"| {e['factor']} | {e['contrast']} | {e['within']} | {e['effect_pct']:+.2f} ± "
+                     f"{e['effect_pct_std']:.2f} | {', '.join(f'{v:+.2f}' for v in e['per_seed'])} | "
+                     f"{e['agree']}/{len(e['per_seed'])} |")
+    return lines
+
+
 def _pm(mean: float, std: float, n: int, fmt: str) -> str:
     return f"{mean:{fmt}} ± {std:{fmt.lstrip('+')}}" if n > 1 else f"{mean:{fmt}}"
 
 
-def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict, meta: dict) -> str:
+def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict, meta: dict,
+             effects: dict[str, list[dict]] | None = None) -> str:
     paths = [k for k, v in memory.items() if isinstance(v, dict)]
     lines = [f"# Sweep results ({meta['model']})", "",
              f"Commit `{meta['git_commit'][:12]}`{' (with uncommitted changes)' if meta['git_dirty'] else ''}, "
@@ -161,6 +219,8 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
             cells += ["—" if r["mean_max_weight"] is None else f"{r['mean_max_weight']:.3f}",
                       "—" if r["mean_entropy"] is None else f"{r['mean_entropy']:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")
+        if (effects or {}).get(section.title):
+            lines += factorial_markdown(effects[section.title])
     return "\n".join(lines) + "\n"
 
 
@@ -187,6 +247,7 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     memory: dict = {"reference": saved_bytes_for(configs, "reference")}
     memory["triton"] = saved_bytes_triton(configs, 300) if triton else "not measured (--no_triton)"
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
+    effects = {s.title: factorial(s, by_name, rows[s.title]) for s in sections if "grid" in s.plots}
     model_cfg, train_cfg = load_config([plan.config])
     layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
     # uncommitted changes to the code, not to the results being rewritten
@@ -199,13 +260,14 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
             "invocation_wall_s": invocation_s,
             "train_wall_s_sum": sum(f["wall_s"] for f in figures.values() if f)}
     results = {**meta, "memory_shape": MEMORY_SHAPE, "saved_bytes": memory,
-               "sections": [{"title": s.title, "note": s.note, "rows": rows[s.title]} for s in sections],
+               "sections": [{"title": s.title, "note": s.note, "rows": rows[s.title],
+                             **({"factorial": effects[s.title]} if s.title in effects else {})} for s in sections],
                "runs": figures}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(markdown(sections, rows, memory, meta))
+        f.write(markdown(sections, rows, memory, meta, effects))
     results["plots"] = plot(sections, rows, figures, out)
     return results
 

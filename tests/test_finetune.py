@@ -222,3 +222,22 @@ def test_wikitext2_is_its_validation_split_and_an_unreachable_hub_is_one_line(ck
     assert not (tmp_path / "e" / "finetune_text.json").exists()   # not marked prepared
     with pytest.raises(FileNotFoundError, match="val_text=.*: no such file"):
         finetune.load_val_text(str(tmp_path / "missing.jsonl"), str(tmp_path / "cache"))
+
+
+def test_step0_experiment_measures_each_conversion(tmp_path):
+    """experiments/step0.py on a baseline of the sweep's model (random weights at std 0.5, so that the stream is
+    large against RMSNorm's eps as in a trained model, saved as a Qwen3 folder): the gated conversion is exact,
+    AttnRes's zero-query read is h~/N (only RMSNorm's eps moves the logits), the authors' Delta Block sources
+    are not an identity."""
+    from experiments import step0
+    from infra.hf_qwen3 import save_hf_qwen3
+    from model import Model, ModelConfig
+    model_cfg, _ = load_config([step0.CONFIG, "--init_std=0.5"])
+    torch.manual_seed(0)
+    save_hf_qwen3(Model(model_cfg), str(tmp_path / "hf"))
+    gated = step0.measure(str(tmp_path / "hf"), step0.CONVERSIONS["delta_block, gate=True"])
+    assert gated["init_max_abs_logit_diff"] == 0.0 and gated["jump"] == 0.0
+    attnres = step0.measure(str(tmp_path / "hf"), step0.CONVERSIONS["attnres, a block per layer (Table 5: N = L)"])
+    assert 0 < attnres["init_max_abs_logit_diff"] < 1e-2 and abs(attnres["jump"]) < 1e-4
+    paper = step0.measure(str(tmp_path / "hf"), step0.CONVERSIONS["delta_block, the authors' sources, null source"])
+    assert paper["init_max_abs_logit_diff"] > 1.0 and paper["jump"] > 1e-2

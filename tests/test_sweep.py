@@ -216,3 +216,31 @@ def test_each_recipe_row_changes_one_choice_of_delta_block():
             assert len(diff) == 1, (name, diff)
             changed.append(diff.pop())
     assert sorted(set(changed)) == ["out_init", "precision", "weight_decay_on"]
+
+
+def test_factorial_effects_of_the_grid():
+    """Changes built from known effects (states +1, additive -2, block +0.5 points, a seed offset that pairing
+    cancels) come back as every main and simple effect; the authors' variant is outside the design."""
+    full = plans.full_plan()
+    grid = next(s for s in full.sections if s.title.startswith("The grid"))
+    runs = {r.name: r for r in full.runs}
+    rows = []
+    for label, names in grid.rows:
+        levels = report.factor_levels(plans.model_config(runs[names[0]]))
+        value = 100.0 if levels is None else (1.0 * (levels["sources"] == "states") - 2.0 * (levels["use"] ==
+                                              "additive") + 0.5 * (levels["granularity"] == "block"))
+        rows.append({"label": label, "runs": names, "seeds": [0, 1, 2],
+                     "ppl_change_pct_seeds": [value + 0.3 * s for s in (0, 1, 2)]})
+    effects = report.factorial(grid, runs, rows)
+    expected = {"sources": 1.0, "use": -2.0, "granularity": 0.5}
+    assert {e["factor"] for e in effects} == set(expected)
+    assert len(effects) == 3 * 5                 # each factor: overall, and within each level of the two others
+    for e in effects:
+        assert e["effect_pct"] == pytest.approx(expected[e["factor"]]) and e["effect_pct_std"] == pytest.approx(0)
+        assert e["agree"] == 3
+    depth = plans.depth_plan()
+    block_grid = depth.sections[2]
+    runs = {r.name: r for r in depth.runs}
+    rows = [{"label": label, "runs": names, "seeds": [0, 1, 2], "ppl_change_pct_seeds": [0.0, 1.0, 2.0]}
+            for label, names in block_grid.rows]
+    assert {e["factor"] for e in report.factorial(block_grid, runs, rows)} == {"sources", "use"}  # one granularity
