@@ -83,7 +83,7 @@ def plot_grid(section: Section, rows: list[dict], path: str, plt) -> None:
     """The paired PPL change vs the baseline of every point of a grid section, mean ± std over seeds, with each
     seed's value; additive points blue, replacement orange, the authors' variant grey."""
     points = [r for r in rows if r["label"] != "baseline"]
-    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.42 * len(points)))
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.42 * len(points)))
     for y, r in enumerate(points):
         color = "0.5" if "authors'" in r["label"] else ("C0" if r["residual"] in ("delta", "delta_block") else "C1")
         ax.errorbar(r["ppl_change_pct"], y, xerr=r["ppl_change_pct_std"], fmt="o", color=color, capsize=3)
@@ -91,8 +91,9 @@ def plot_grid(section: Section, rows: list[dict], path: str, plt) -> None:
     ax.set_yticks(range(len(points)), [r["label"] for r in points], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(0.0, color="gray", lw=0.5)
-    ax.set(xlabel="val PPL vs the baseline, paired by seed (%): mean ± std (o), each seed (x)",
-           title=section.title.split(",")[0] + f" ({points[0]['n_layers']} layers)" if points else section.title)
+    layers = f", {points[0]['n_layers']} layers" if points else ""
+    ax.set(xlabel="val PPL vs the baseline, paired by seed (%): mean ± std (o), seeds (x)",
+           title=f"{section.title.split(':')[0]}{layers}: additive blue, replacement orange")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
