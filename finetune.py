@@ -39,10 +39,10 @@ from infra import files
 from infra import shards
 import train
 from infra import trained
-from infra.config import NON_NEGATIVE, ConfigError, TrainConfig, check_ranges, load_config
+from infra.config import ConfigError, TrainConfig, check_ranges, load_config
 from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
 from infra.tokenizer import get_tokenizer
-from model import Model, ModelConfig
+from model import NON_NEGATIVE, Model, ModelConfig
 from router import make_policy
 
 

@@ -33,7 +33,7 @@ def uses_kernel(kernel: str, device: torch.device) -> bool:
     return device.type == "cuda" if kernel == "auto" else kernel == "triton"
 
 
-Rule = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words), as infra/config.py's
+Rule = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words); infra/config.py's too
 
 
 def one_of(names: tuple[str, ...]) -> Rule:

@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 
 from infra import cli
 from infra.distributed import PARALLEL, PRECISIONS
-from model import ModelConfig
+from model import AT_LEAST_1, NON_NEGATIVE, ModelConfig, Rule, one_of
 
 C = TypeVar("C")
 WEIGHT_DECAY_ON = ("matrices", "all")
@@ -77,13 +77,11 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------------------------- config
 
-Range = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words)
-AT_LEAST_0: Range = (lambda v: v >= 0, "integers >= 0")
-AT_LEAST_1: Range = (lambda v: v >= 1, "integers >= 1")
-POSITIVE: Range = (lambda v: 0 < v < math.inf, "finite numbers > 0")
-NON_NEGATIVE: Range = (lambda v: 0 <= v < math.inf, "finite numbers >= 0")
-NAME: Range = (lambda v: v.strip() != "", "non-empty strings")
-TRAIN_RANGES: dict[str, Range] = {
+# model.Rule: (test of a value, the allowed values in words); model.py holds the rules both configs use
+AT_LEAST_0: Rule = (lambda v: v >= 0, "integers >= 0")
+POSITIVE: Rule = (lambda v: 0 < v < math.inf, "finite numbers > 0")
+NAME: Rule = (lambda v: v.strip() != "", "non-empty strings")
+TRAIN_RANGES: dict[str, Rule] = {
     "data": (NAME[0], "'shakespeare' or a shard directory"), "out_dir": NAME, "wandb_project": NAME,
     "seed": AT_LEAST_0, "batch_size": AT_LEAST_1, "seq_len": AT_LEAST_1, "max_steps": AT_LEAST_0,
     "micro_batch_size": (AT_LEAST_0[0], "0 (batch_size / world size) or integers >= 1"),
@@ -96,14 +94,12 @@ TRAIN_RANGES: dict[str, Range] = {
     "grad_clip": (NON_NEGATIVE[0], "finite numbers >= 0 (0: no clipping)"),
     "ckpt_minutes": (NON_NEGATIVE[0], "finite numbers >= 0 (0: off)"),
     "time_budget_s": (NON_NEGATIVE[0], "finite numbers >= 0 (0: no budget)"),
-    "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
-    "parallel": (lambda v: v in PARALLEL, ", ".join(PARALLEL)),
-    "precision": (lambda v: v in PRECISIONS, ", ".join(PRECISIONS)), "compile_backend": NAME,
-    "weight_decay_on": (lambda v: v in WEIGHT_DECAY_ON, ", ".join(WEIGHT_DECAY_ON)),
+    "device": one_of(("auto", "cpu", "cuda")), "parallel": one_of(PARALLEL), "precision": one_of(PRECISIONS),
+    "compile_backend": NAME, "weight_decay_on": one_of(WEIGHT_DECAY_ON),
 }
 
 
-def check_ranges(cfg, ranges: dict[str, Range]) -> None:
+def check_ranges(cfg, ranges: dict[str, Rule]) -> None:
     """The one validation of a config dataclass: every field in `ranges` against its allowed values."""
     for key, (allowed, words) in ranges.items():
         value = getattr(cfg, key)
