@@ -34,11 +34,14 @@ from router import DepthState, Policy, Router
 
 
 def fine_group_size(n_sublayers: int, d: int) -> int:
-    """Receivers per group when every output is a source. A group of G reads its N committed sources once
-    (about 3 N bytes per row, forward and backward) and each receiver up to G - 1 recent outputs itself
-    (about 4 each): over the depth the total is smallest near G = sqrt(3 n_sublayers / 8). No more than phase
-    1's backward takes in one pass (grouped.receivers_per_pass), which would read the sources again."""
-    return max(2, min(round(math.sqrt(3 * n_sublayers / 8)), receivers_per_pass(d)))
+    """Receivers per group when every output is a source (n = n_sublayers of them, each of b bytes a row).
+    Phase 1 reads each committed source once forward and once backward, where it also reads and writes its
+    gradient accumulator: 4 b per source and group, about n^2 / (2 G) such visits over the depth's n / G groups.
+    Each receiver reads its own sources (on average (G - 1) / 2 of them) once forward and twice backward, where
+    it adds into their accumulators: 5 b each, n (G - 1) / 2 in all. The sum 2 b n^2 / G + 5 b n (G - 1) / 2 is
+    smallest at G = sqrt(4 n / 5): 8 at 36 layers (72 sublayers, 7.6). No more than phase 1's backward takes in
+    one pass (group_read.receivers_per_pass), which would read the sources and accumulators again."""
+    return max(2, min(round(math.sqrt(4 * n_sublayers / 5)), receivers_per_pass(d)))
 
 
 def commits_before(policy: Policy, n_sublayers: int) -> list[bool]:
