@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, aligned, interpreting, launch, register_budget, source_table
+from kernels.launch import SourceTable, aligned, cdiv, interpreting, launch, register_budget, source_table
 from kernels.tiles import folded_query, logit, read_table, source_grad, table_source
 
 # -------------------------------------------------------------------------------------------- kernels
@@ -129,7 +129,7 @@ def _slabs(tensors: list[Tensor]) -> tuple[Tensor, int, list[Tensor]]:
     gradient starts a multiple of 16 elements after the last, so every one is 16-byte aligned."""
     like = tensors[0]
     numel = like.numel()
-    slab = triton.cdiv(numel, 16) * 16
+    slab = cdiv(numel, 16) * 16
     buffer = torch.empty(len(tensors), slab, dtype=like.dtype, device=like.device)
     return buffer, slab, list(buffer[:, :numel].view(len(tensors), *like.shape).unbind(0))
 
@@ -144,7 +144,7 @@ def route_forward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: f
     out = torch.empty_like(first, dtype=out_dtype or first.dtype)
     lse = torch.empty(M, dtype=torch.float32, device=dev)
     cfg = _config(M, d)
-    launch(_route_fwd, triton.cdiv(M, cfg["BLOCK_M"]), [(table, 1), (query, 1), (norm_weight, 1)], [out, lse], dev,
+    launch(_route_fwd, cdiv(M, cfg["BLOCK_M"]), lambda: ([(table, 1), (query, 1), (norm_weight, 1)], [out, lse]), dev,
            table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=query, g_ptr=norm_weight,
            out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
     return out, lse
@@ -162,10 +162,10 @@ def route_backward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: 
     grad_b, _, grads_b = _slabs(table.tensors[n_a:]) if n_a < len(table.tensors) else (grad_a, 0, [])
     go = aligned(grad_out)
     cfg = _config(M, d, backward=True)
-    grid = triton.cdiv(M, cfg["BLOCK_M"])
+    grid = cdiv(M, cfg["BLOCK_M"])
     du = torch.empty(grid, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
     reads = [(table, 2), (go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
-    launch(_route_bwd, grid, reads, grads + grads_b + [du], dev, table=table.addresses, n_a=n_a,
+    launch(_route_bwd, grid, lambda: (reads, grads + grads_b + [du]), dev, table=table.addresses, n_a=n_a,
            n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b, slab=slab, q_ptr=query,
            g_ptr=norm_weight, go_ptr=go, lse_ptr=lse, du_ptr=du, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
     return table.in_caller_order(grads + grads_b), du.sum(0)[:d]

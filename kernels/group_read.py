@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, interpreting, launch, register_budget, wave
+from kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, wave
 from kernels.tiles import accumulate_grad, softmax_step, table_source
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -176,11 +176,12 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     for r0 in range(0, n_recv, block):        # receivers beyond R_BLOCK: the sources are read again
         chunk = min(block, n_recv - r0)
-        launch(_group_fwd, M, [(table, 1), (queries[r0:r0 + chunk], 1),
-                (norm_weights[r0:r0 + chunk], 1)], [state[r0:r0 + chunk, :first.numel()], lse_c[r0:r0 + chunk]],
-                first.device, table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a,
-                q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv, state_ptr=state, lse_c_ptr=lse_c,
-                slab=state.shape[1], M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
+        io = lambda: ([(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1)],  # noqa: E731
+                      [state[r0:r0 + chunk, :first.numel()], lse_c[r0:r0 + chunk]])
+        launch(_group_fwd, M, io, first.device, table=table.addresses, n_a=table.n_a,
+               n_b=len(table.tensors) - table.n_a, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv,
+               state_ptr=state, lse_c_ptr=lse_c, slab=state.shape[1], M=M, d=d, eps=eps, **table.dtype_args(),
+               **cfg)
 
 
 def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, go: Tensor, D: Tensor,
@@ -192,17 +193,19 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     cfg = _group_config(d, backward=True, element_size=table.tensors[-1].element_size())
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)
-    du = torch.empty(triton.cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32,
-                     device=first.device)
+    du = torch.empty(cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32, device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
     n_a, n_b = table.n_a, len(table.tensors) - table.n_a
-    grads = [acc_a[off_a:off_a + n_a, :first.numel()], acc_b[off_b:off_b + n_b, :first.numel()]]
+
+    def io(c: int, r0: int, chunk: int) -> tuple[list, list]:
+        grads = [acc_a[off_a:off_a + n_a, :first.numel()], acc_b[off_b:off_b + n_b, :first.numel()]]
+        reads = [(table, 1), (go[r0:r0 + chunk, :first.numel()], 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]
+        return reads + [(g, 1) for g in grads if accumulate or c], grads + [du[c]]
+
     for c, r0 in enumerate(range(0, n_recv, block)):
         chunk = min(block, n_recv - r0)
-        reads = [(table, 1), (go[r0:r0 + chunk, :first.numel()], 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]
-        launch(_group_bwd, programs, reads + [(g, 1) for g in grads if accumulate or c], grads + [du[c]],
-                first.device, table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0,
-                n_recv=n_recv, go_ptr=go, D_ptr=D, lse_ptr=lse, slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b,
-                off_a=off_a, off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps,
-                accumulate=int(accumulate or c > 0), **table.dtype_args(), **cfg)
+        launch(_group_bwd, programs, lambda: io(c, r0, chunk), first.device, table=table.addresses, n_a=n_a,
+               n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv, go_ptr=go, D_ptr=D, lse_ptr=lse,
+               slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, du_ptr=du[c],
+               tiles=tiles, M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0), **table.dtype_args(), **cfg)
     return du.sum(1).flatten(0, 1)[:n_recv, :d]

@@ -5,7 +5,7 @@
   not) and uploads the addresses in one copy; the kernels say so with tl.multiple_of, which turns their source
   loads into 128-bit loads. Host work is O(N) per table, and a forward read's table serves its backward.
 - Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and
-  writes) to observers first: kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the
+  writes: built only when someone observes, from the caller's `io` function) to observers first: kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the
   specialisations the model launches, and kernels/tools/bench.py times the host path without launching. It runs
   the kernel on the tensors' device.
 - `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
@@ -44,6 +44,7 @@ class Launch:
 
 
 _observers: list[Callable[[Launch], bool]] = []
+_skipping: list[list[str]] = []      # the open skipped_launches blocks' lists of kernel names
 
 
 @contextmanager
@@ -57,10 +58,29 @@ def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
         _observers.remove(observer)
 
 
-def launch(kernel: triton.JITFunction, grid: int, reads: list[tuple[Tensor | SourceTable, int]], writes: list[Tensor],
-            device: torch.device, **args) -> None:
+@contextmanager
+def skipped_launches() -> Iterator[list[str]]:
+    """Skip every launch in the block, listing the kernels' names, without describing them to observers: the
+    host work of a GPU run less its launches (kernels/tools/host.py measures it so)."""
+    names: list[str] = []
+    _skipping.append(names)
+    try:
+        yield names
+    finally:
+        _skipping.remove(names)
+
+
+IO = Callable[[], tuple[list[tuple["Tensor | SourceTable", int]], list[Tensor]]]
+
+
+def launch(kernel: triton.JITFunction, grid: int, io: IO, device: torch.device, **args) -> None:
+    """Launch kernel[(grid,)](**args) on `device`. io() -> (reads, writes): what the launch reads (tensors or
+    SourceTables, with how many times) and writes, asked only when an observer is watching."""
+    if _skipping:
+        _skipping[-1].append(kernel.fn.__name__)
+        return
     if _observers:
-        seen = Launch(kernel, grid, args, reads, writes)
+        seen = Launch(kernel, grid, args, *io())
         if any([observer(seen) for observer in _observers]):
             return
     if device.type == "cuda":
@@ -174,9 +194,14 @@ def register_budget(num_warps: int, programs_per_sm: int) -> int:
     return min(255, 65536 // (programs_per_sm * 32 * num_warps))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers (triton.cdiv costs microseconds per call on the host path)."""
+    return -(-a // b)
+
+
 def slab_of(like: Tensor) -> int:
     """Elements between consecutive (B, T, d) slots of a buffer: numel rounded up to 16 (16-byte aligned)."""
-    return triton.cdiv(like.numel(), 16) * 16
+    return cdiv(like.numel(), 16) * 16
 
 
 def slots(n: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -193,6 +218,12 @@ def wave(n_tiles: int, programs_per_sm: int, device: torch.device) -> tuple[int,
     program: one wave of programs (the SMs times the kernel's programs per SM), so the partial sums stay few."""
     if interpreting():
         return n_tiles, 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
-    tiles = triton.cdiv(n_tiles, sms * programs_per_sm)
-    return triton.cdiv(n_tiles, tiles), tiles
+    tiles = cdiv(n_tiles, _sm_count(device) * programs_per_sm)
+    return cdiv(n_tiles, tiles), tiles
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return H100_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import DTYPES, SourceTable, interpreting, launch, register_budget, slab_of, slot_view, wave
+from kernels.launch import DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, slab_of, slot_view, wave
 from kernels.tiles import accumulate_grad, folded_query, logit, read_table, softmax_step, source_grad, table_source
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -328,7 +328,7 @@ def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
     h = read.h
     y = torch.empty(h.shape, dtype=y_dtype, device=h.device)
     cfg = _receiver_config(read.M, h.shape[-1], backward=False)
-    launch(_receiver_fwd, triton.cdiv(read.M, cfg["BLOCK_M"]), read.reads(1), [y, read.lse[read.slot]], h.device,
+    launch(_receiver_fwd, cdiv(read.M, cfg["BLOCK_M"]), lambda: (read.reads(1), [y, read.lse[read.slot]]), h.device,
            **read.kernel_args(), y_ptr=y, **cfg)
     return y
 
@@ -340,7 +340,7 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
     h, table, slot = read.h, read.table, read.slot
     M, d = read.M, h.shape[-1]
     cfg = _receiver_config(M, d, backward=True)
-    programs, tiles = wave(triton.cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], h.device)
+    programs, tiles = wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], h.device)
     uses_h = read.add or read.base is not None or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
@@ -349,13 +349,16 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
     dgate = torch.empty(programs, dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
     n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
-    grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
-    reads = read.reads(2) + [(dy, 1), (read.lse[slot], 1)] + ([(g, 1) for g in grads] if out.accumulate else [])
-    reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if out.dsum is not None else []
-    writes = grads + [du, dweight] + ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
-    writes += [out.dbase] if read.base is not None else []
-    writes += [slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else []
-    launch(_receiver_bwd, programs, reads, writes, h.device, **read.kernel_args(),
+
+    def io() -> tuple[list, list]:
+        grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
+        reads = read.reads(2) + [(dy, 1), (read.lse[slot], 1)] + ([(g, 1) for g in grads] if out.accumulate else [])
+        reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if out.dsum is not None else []
+        writes = grads + [du, dweight] + ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
+        writes += [out.dbase] if read.base is not None else []
+        return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else [])
+
+    launch(_receiver_bwd, programs, io, h.device, **read.kernel_args(),
            dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
            dbase_ptr=h if out.dbase is None else out.dbase, go_ptr=h if out.go is None else out.go,
            D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,

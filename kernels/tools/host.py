@@ -4,7 +4,7 @@
     python -m kernels.tools.host --json out.json
 
 A training step (forward, loss, backward) of the real model at the 1044M depth, with tiny tensors (d = 64, 1 x 16
-tokens: the tensor work is negligible) and every Triton launch skipped (kernels.launch.observe_launches), runs on
+tokens: the tensor work is negligible) and every Triton launch skipped (kernels.launch.skipped_launches), runs on
 the CPU; its time is host time. Routing's host time is a method's step minus the baseline's (the baseline pays for
 its own sublayers, norms and autograd). Median of `repeats` steps after warm-up, one thread. Left out: Triton's own
 launcher (binding the arguments and the driver call, some tens of microseconds per launch on a GPU machine), so
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.launch import observe_launches
+from kernels.launch import skipped_launches
 from model import Model, ModelConfig
 
 SHAPE = dict(vocab_size=64, d_model=64, n_layers=36, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=8)
@@ -30,34 +30,54 @@ METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 BUDGET_S = 6.5e-3
 
 
+class Stepper:
+    """One method's model at the meter's shape, stepped (forward, loss, backward) with every launch skipped."""
+
+    def __init__(self, residual: str, shape: dict = SHAPE, tokens: tuple[int, int] = (1, 16)):
+        torch.manual_seed(0)
+        self.model = Model(ModelConfig(**shape, residual=residual, kernel="triton"))
+        self.idx = torch.randint(0, shape["vocab_size"], tokens)
+        self.launches = 0
+
+    def step(self) -> float:
+        """Host seconds of one training step."""
+        with skipped_launches() as launches:
+            start = time.perf_counter()
+            F.cross_entropy(self.model(self.idx).flatten(0, 1), self.idx.flatten()).backward()
+            self.model.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - start
+        self.launches = len(launches)
+        return seconds
+
+
 def step_time(residual: str, repeats: int = 10, shape: dict = SHAPE, tokens: tuple[int, int] = (1, 16)) -> dict:
     """{"seconds": median host seconds of one forward + backward, "launches": kernel launches per step}."""
-    torch.manual_seed(0)
-    model = Model(ModelConfig(**shape, residual=residual, kernel="triton"))
-    idx = torch.randint(0, shape["vocab_size"], tokens)
-    launches = []
-    times = []
-    with observe_launches(lambda launch: launches.append(launch.kernel) or True):
-        for i in range(repeats + 2):                 # two warm-up steps
-            launches.clear()
-            start = time.perf_counter()
-            F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
-            model.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times[2:]), "launches": len(launches)}
+    stepper = Stepper(residual, shape, tokens)
+    times = [stepper.step() for _ in range(repeats + 2)][2:]          # two warm-up steps
+    return {"seconds": statistics.median(times), "launches": stepper.launches}
 
 
-def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10) -> dict[str, dict]:
-    """Per method: host seconds per step, routing's share (minus the baseline's), launches per step."""
+def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10, shape: dict = SHAPE) -> dict[str, dict]:
+    """Per method: host seconds per step (median), routing's share and launches per step. The methods take turns,
+    a step each per round, and routing's share is the median over rounds of the method's step minus the
+    baseline's in the same round: a shared machine's slow spells hit both sides of each difference."""
     torch.set_num_threads(1)
-    found = {m: step_time(m, repeats) for m in ("baseline", *[m for m in methods if m != "baseline"])}
-    base = found["baseline"]["seconds"]
-    return {m: {**r, "routing_seconds": r["seconds"] - base} for m, r in found.items()}
+    names = ("baseline", *[m for m in methods if m != "baseline"])
+    steppers = {m: Stepper(m, shape) for m in names}
+    times: dict[str, list[float]] = {m: [] for m in names}
+    for round in range(repeats + 2):                                  # two warm-up rounds
+        for m in names:
+            seconds = steppers[m].step()
+            if round >= 2:
+                times[m].append(seconds)
+    base = times["baseline"]
+    return {m: {"seconds": statistics.median(t), "launches": steppers[m].launches,
+                "routing_seconds": statistics.median(a - b for a, b in zip(t, base))} for m, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     results = measure(repeats=args.repeats)
