@@ -29,7 +29,8 @@ from torch import Tensor
 
 from kernels.group_read import group_backward, group_forward, receivers_per_pass
 from kernels.launch import SourceTable, aligned, slot_view, slots, source_table
-from kernels.receiver_read import Read, ReadGrads, learned_null_grads, receiver_backward, receiver_forward
+from kernels.receiver_read import (Read, ReadGrads, learned_null_grads, partials_shape, receiver_backward,
+                                   receiver_forward)
 from router import DepthState, Policy, Router
 
 
@@ -128,6 +129,9 @@ class Group:
     dbase: Tensor | None = None       # (R, slab) -dL/d(partial) of receivers whose base is `base`
     dbase_slots: list[int] = field(default_factory=list)
     dbase_summed: bool = False        # the group's first receiver (whose h~ is `base`) added them to its dh
+    du: Tensor | None = None          # (R, programs, BLOCK_D) the receivers' per-program partial sums of du
+    dgate: Tensor | None = None       # (R, programs) and of dgate
+    written: list[int] = field(default_factory=list)   # the slots whose backward ran (wrote go, D, du, dgate)
 
     def backward_buffers(self, like: Tensor) -> None:
         if self.go is None:
@@ -136,6 +140,9 @@ class Group:
             self.D = torch.empty_like(self.lse)
             if self.dbase_slots:
                 self.dbase = slots(n, like, self.state_dtype)
+            programs, block_d = partials_shape(like.numel() // like.shape[-1], like.shape[-1], like.device)
+            self.du = torch.empty(n, programs, block_d, dtype=torch.float32, device=like.device)
+            self.dgate = torch.empty(n, programs, dtype=torch.float32, device=like.device)
 
     # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its
     # go, D and partial-block gradient here, and GroupRead's backward takes them.
@@ -154,7 +161,16 @@ class Group:
             lo, hi = min(self.dbase_slots), max(self.dbase_slots) + 1
             if hi - lo == len(self.dbase_slots):
                 dsum, self.dbase_summed = (self.dbase, lo, hi), True
-        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dsum)
+        self.written.append(spec.slot)
+        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, self.du, self.dgate, dsum)
+
+    def receivers_du(self, d: int) -> tuple[Tensor, Tensor]:
+        """The receivers' own parts of du (R, d) and dgate (R,), summed over their programs (zero for a receiver
+        whose backward did not run: its output was not used)."""
+        if len(self.written) < len(self.routers):
+            missing = [i for i in range(len(self.routers)) if i not in self.written]
+            self.du[missing], self.dgate[missing] = 0.0, 0.0
+        return self.du.sum(1)[:, :d], self.dgate.sum(1)
 
     def base_grad(self, like: Tensor) -> Tensor | None:
         """The group base's gradient from its receivers' partials, unless the first receiver already added it."""
@@ -164,11 +180,13 @@ class Group:
 
     def release(self) -> None:
         """After the group's backward, the last to use them: its sources and buffers go."""
-        self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = None
+        self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = self.du = self.dgate = None
 
 
 def _params(routers: list[Router]) -> list[Tensor]:
-    return [p for r in routers for p in (r.query, r.norm_weight)]
+    """The group node's parameter inputs, whose gradients it returns for all its receivers: per router its query,
+    norm weight and gate (if any)."""
+    return [p for r in routers for p in (r.query, r.norm_weight, r.gate) if p is not None]
 
 
 def _take(ctx, *names: str) -> list:
@@ -185,7 +203,8 @@ def _take(ctx, *names: str) -> list:
 
 class GroupRead(torch.autograd.Function):
     """Phase 1 of a group. Inputs: the group's base h~, the committed sources this node owns, each receiver's
-    query and norm weight. Output: the r_C buffer (R, slab), which every receiver of the group takes as an
+    query, norm weight and gate, whose gradients (phase 1's part and the receivers' own, which their backwards
+    leave in the group) it returns once for the group. Output: the r_C buffer (R, slab), which every receiver of the group takes as an
     input, so this node's backward runs after theirs. The output's grad_fn is this node, whose context holds
     the group: so the group never holds the output (that would be a reference cycle through the graph)."""
 
@@ -212,8 +231,12 @@ class GroupRead(torch.autograd.Function):
         group.backward_buffers(like)
         du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
                             bank.pointers(group.table, 0), accumulate=not group.last)
+        du_own, dgate = group.receivers_du(like.shape[-1])
+        du = du + du_own                  # the committed sources' part (phase 1) + the receivers' own
         dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
-        params = [g for pair in zip(dq.unbind(0), dg.unbind(0)) for g in pair]
+        params = []
+        for r, (router, q, g) in enumerate(zip(group.routers, dq.unbind(0), dg.unbind(0))):
+            params += [q, g] if router.gate is None else [q, g, dgate[r:r + 1].to(router.gate.dtype)]
         grads = (None, None, None, group.base_grad(like), *[bank.grad(k) for k in ctx.owned], *params)
         group.release()
         return grads
@@ -236,6 +259,7 @@ class Receiver:
     norm_eps: float
     r_dtype: torch.dtype              # the read-out's dtype (the reference's: sources[0]'s)
     x_dtype: torch.dtype
+    static: dict = field(default_factory=dict)   # the kernels' non-tensor arguments (Read.kernel_args)
 
     def read(self, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor, norm_weight: Tensor,
              gate: Tensor | None, weight: Tensor, null: Tensor | None) -> Read:
@@ -243,11 +267,13 @@ class Receiver:
         group = self.group
         return Read(self.table, state, group.lse_c, group.lse, self.slot, h, base, query, norm_weight, gate, weight,
                     self.null if null is None else null, self.eps, self.norm_eps, self.add, self.r_dtype,
-                    self.x_dtype)
+                    self.x_dtype, self.static)
 
 
 class ReceiverRead(torch.autograd.Function):
-    """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_weight(h~ + gate r) or RMSNorm_weight(r)."""
+    """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_weight(h~ + gate r) or RMSNorm_weight(r). Its
+    query, norm weight and gate are inputs for their values; their gradients are the group node's to return
+    (GroupRead), once per group."""
 
     @staticmethod
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor,
@@ -266,15 +292,15 @@ class ReceiverRead(torch.autograd.Function):
         group = spec.group
         grads = group.receiver_grads(spec, h, base, bank.pointers(spec.table, spec.first))
         out = receiver_backward(spec.read(h, base, state, query, norm_weight, gate, weight, null), aligned(dy), grads)
-        du, dnull = out["du"], None
+        dnull = None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
             dnull, du_null = learned_null_grads(null, query, norm_weight, spec.eps,
                                                 slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1),
                                                 group.D[spec.slot], group.lse[spec.slot])
-            du, dnull = du + du_null, dnull.to(null.dtype)
-        dquery, dnorm = (du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype)
-        dgate = None if gate is None else out["dgate"].to(gate.dtype).view(gate.shape)
-        return (None, None, out["dh"], None if spec.base_to_group else grads.dbase, None, dquery, dnorm, dgate,
+            group.du[spec.slot, 0, :du_null.numel()] += du_null
+            dnull = dnull.to(null.dtype)
+        # the query's, norm weight's and gate's gradients: returned by the group's node (GroupRead)
+        return (None, None, out["dh"], None if spec.base_to_group else grads.dbase, None, None, None, None,
                 out["dweight"].to(weight.dtype), dnull, *[bank.grad(k) for k in spec.owned])
 
 
@@ -293,6 +319,7 @@ class GroupedDepthState(DepthState):
         self.plan = plan_groups(commits, size)
         for receiver in range(self.policy.sources_from - self.policy.reads_from):
             self.plan[receiver] = -1      # reads only the null source: the reference's few torch ops, no group
+        self.router_list = list(self.routers)   # indexed at every read: cheaper than the ModuleList
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
         self.block_start = self.h         # (B, T, d) h~ at the last commit
@@ -300,6 +327,9 @@ class GroupedDepthState(DepthState):
         self.group_output: Tensor | None = None   # the current group's r_C buffer, as GroupRead returned it
         self.owned: set[int] = set()      # sources whose gradient some node already returns
         self.outputs_since_commit: list[Tensor] = []
+
+    def router(self) -> Router:
+        return self.router_list[self.l - self.policy.reads_from]
 
     def add(self, v: Tensor) -> None:
         if self.policy.commit_after_read:
@@ -333,7 +363,7 @@ class GroupedDepthState(DepthState):
     def _group_of(self, receiver: int) -> Group:
         if self.group is None or self.plan[receiver] != self.group.index:
             members = [i for i, g in enumerate(self.plan) if g == self.plan[receiver]]
-            routers = [self.routers[i] for i in members]
+            routers = [self.router_list[i] for i in members]
             committed = list(self.sources)
             table = source_table(committed)
             group = Group(self.plan[receiver], self.plan[receiver] == self.plan[-1], members[0], routers, table,
@@ -369,7 +399,7 @@ class GroupedDepthState(DepthState):
             x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
         spec = Receiver(group, receiver - group.first_receiver, source_table(own) if own else None,
-                        group.n_committed, owned, self.policy.null_source, add, receiver != len(self.routers) - 1,
+                        group.n_committed, owned, self.policy.null_source, add, receiver != len(self.router_list) - 1,
                         base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
                         norm.eps, r_dtype, x_dtype)
         learned_null = router.null if self.policy.null_source else None

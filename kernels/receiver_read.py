@@ -11,7 +11,7 @@ its sublayer's pre-norm in the same kernel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -114,7 +114,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at dbase_ptr, the table sources'
     gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and per-program
-    partial sums of du, dw (norm weight) and dgate."""
+    partial sums of dw (norm weight) at dw_ptr and of du and dgate into row `slot` of the group's buffers at
+    du_ptr (R, programs, BLOCK_D) and dgate_ptr (R, programs): the group's node sums them, once per group."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     u = folded_query(q_ptr, g_ptr, cols, d)
@@ -198,9 +199,10 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                 dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 slot_ptr += slab
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + pid * BLOCK_D + cols, du)
+    part = slot * tl.num_programs(0) + pid        # this receiver's row of the group's (R, programs) partials
+    tl.store(du_ptr + part.to(tl.int64) * BLOCK_D + cols, du)
     tl.store(dw_ptr + pid * BLOCK_D + cols, dw)
-    tl.store(dgate_ptr + pid, tl.sum(dgate, axis=0))
+    tl.store(dgate_ptr + part, tl.sum(dgate, axis=0))
 
 
 # ------------------------------------------------------------------------------------------ launching
@@ -229,13 +231,6 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
 
 
-def _null_args(null: Tensor | bool, placeholder: Tensor) -> dict:
-    """The null-source arguments: none (0), zero (1) or a learned vector (2)."""
-    if isinstance(null, Tensor):
-        return dict(null_ptr=null, NULL=NULL_LEARNED.value)
-    return dict(null_ptr=placeholder, NULL=(NULL_ZERO if null else NULL_NONE).value)
-
-
 def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
                        lse: Tensor) -> tuple[Tensor, Tensor]:
     """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
@@ -250,14 +245,6 @@ def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: fl
     dz_rstd = a * (go @ n - D) * rstd
     c = dz_rstd.sum()
     return a @ go + c * u - c * z * rstd / n.numel() * n, c * n
-
-
-def _receiver_args(table: SourceTable | None, first: Tensor) -> dict:
-    """Address table arguments; a receiver with no sources of its own gets an empty table."""
-    if table is None:
-        return dict(table=torch.empty(1, dtype=torch.int64, device=first.device), n_a=0, n_b=0,
-                    A_DTYPE=DTYPES[first.dtype], B_DTYPE=DTYPES[first.dtype])
-    return dict(table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, **table.dtype_args())
 
 
 @dataclass
@@ -281,6 +268,8 @@ class Read:
     add: bool                         # additive (x = h + gate r) or replacement (x = r)
     r_dtype: torch.dtype              # r and x are rounded where the reference rounds them
     x_dtype: torch.dtype
+    static: dict = field(default_factory=dict)   # kernel_args' non-tensor part, filled once: a receiver's
+    # forward and backward share the dict (kernels/grouped_state.py's Receiver holds it)
 
     @property
     def M(self) -> int:
@@ -290,14 +279,21 @@ class Read:
         """The arguments the forward and backward kernels share: the read (table, state, partial block, null
         source, query) and the pre-norm; an absent tensor is replaced by a placeholder its flag keeps unread."""
         h, weight = self.h, self.weight
-        return dict(**_receiver_args(self.table, h), state_ptr=h if self.state is None else self.state,
-                    lse_c_ptr=self.lse_c, slot=self.slot, slab=slab_of(h), h_ptr=h,
+        if not self.static:
+            table = self.table            # none: no sources of its own, an empty table
+            n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
+            dtypes = table.dtype_args() if table is not None else dict(A_DTYPE=DTYPES[h.dtype], B_DTYPE=DTYPES[h.dtype])
+            null = NULL_LEARNED if isinstance(self.null, Tensor) else NULL_ZERO if self.null else NULL_NONE
+            self.static.update(n_a=n_a, n_b=n_b, **dtypes, slot=self.slot, slab=slab_of(h),
+                               has_gate=int(self.gate is not None), NULL=null.value, M=self.M, d=h.shape[-1],
+                               eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
+                               X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
+                               HAS_DIFF=self.base is not None, ADD=self.add)
+        return dict(self.static, table=h if self.table is None else self.table.addresses,
+                    state_ptr=h if self.state is None else self.state, lse_c_ptr=self.lse_c, h_ptr=h,
                     base_ptr=h if self.base is None else self.base, q_ptr=self.query, g_ptr=self.norm_weight,
-                    gate_ptr=weight if self.gate is None else self.gate, has_gate=int(self.gate is not None),
-                    w_ptr=weight, lse_ptr=self.lse, **_null_args(self.null, weight), M=self.M, d=h.shape[-1],
-                    eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
-                    X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
-                    HAS_DIFF=self.base is not None, ADD=self.add)
+                    gate_ptr=weight if self.gate is None else self.gate, w_ptr=weight, lse_ptr=self.lse,
+                    null_ptr=self.null if isinstance(self.null, Tensor) else weight)
 
     def reads(self, table_times: int) -> list:
         """What both kernels read of the read's inputs (for the launch observers)."""
@@ -313,13 +309,23 @@ class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
     kernels/grouped_state.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); dbase, (B, T, d), for -dL/d(partial); dsum = (buffer, lo, hi): slots lo..hi-1
-    of buffer added to dh (the group's other partials, when h is their base)."""
+    of buffer added to dh (the group's other partials, when h is their base); du (R, programs, BLOCK_D) and
+    dgate (R, programs): the group's buffers of per-program partial sums (partials_shape), row `slot` this
+    receiver's."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
     go: Tensor | None
     D: Tensor | None
     dbase: Tensor | None
+    du: Tensor
+    dgate: Tensor
     dsum: tuple[Tensor, int, int] | None = None
+
+
+def partials_shape(M: int, d: int, device: torch.device) -> tuple[int, int]:
+    """(programs, BLOCK_D) of the receiver backward's per-program partial sums at M rows of width d."""
+    cfg = _receiver_config(M, d, backward=True)
+    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0], cfg["BLOCK_D"]
 
 
 def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
@@ -334,9 +340,9 @@ def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
 
 
 def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
-    """Backward of receiver_forward into `out` (ReadGrads). Returns {"dh", "du", "dweight", "dgate"} (dh None
-    when h is unused). A learned null's own gradient and its du term are left to `learned_null_grads`, from
-    go, D and lse."""
+    """Backward of receiver_forward into `out` (ReadGrads). Returns {"dh", "dweight"} (dh None when h is unused);
+    du's and dgate's partial sums are left in out.du and out.dgate for the group. A learned null's own gradient
+    and its du term are left to `learned_null_grads`, from go, D and lse."""
     h, table, slot = read.h, read.table, read.slot
     M, d = read.M, h.shape[-1]
     cfg = _receiver_config(M, d, backward=True)
@@ -344,9 +350,7 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
     uses_h = read.add or read.base is not None or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
-    du = torch.empty(programs, cfg["BLOCK_D"], dtype=torch.float32, device=h.device)
-    dweight = torch.empty_like(du)
-    dgate = torch.empty(programs, dtype=torch.float32, device=h.device)
+    dweight = torch.empty(programs, cfg["BLOCK_D"], dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
     n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
 
@@ -354,7 +358,8 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
         grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
         reads = read.reads(2) + [(dy, 1), (read.lse[slot], 1)] + ([(g, 1) for g in grads] if out.accumulate else [])
         reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if out.dsum is not None else []
-        writes = grads + [du, dweight] + ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
+        writes = grads + [out.du[slot], dweight, out.dgate[slot]]
+        writes += ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
         writes += [out.dbase] if read.base is not None else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else [])
 
@@ -362,7 +367,6 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
            dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
            dbase_ptr=h if out.dbase is None else out.dbase, go_ptr=h if out.go is None else out.go,
            D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
-           du_ptr=du, dw_ptr=dweight, dgate_ptr=dgate, tiles=tiles, accumulate=int(out.accumulate),
+           du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate, tiles=tiles, accumulate=int(out.accumulate),
            SUMS=out.dsum is not None, **cfg)
-    return {"dh": dh, "du": du.sum(0)[:d], "dweight": dweight.sum(0)[:d],
-            "dgate": dgate.sum() if read.gate is not None else None}
+    return {"dh": dh, "dweight": dweight.sum(0)[:d]}
