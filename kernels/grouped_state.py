@@ -122,6 +122,9 @@ class Group:
     base: Tensor                      # h~ at the group's start: the partial block's base for its receivers
     eps: float
     state_dtype: torch.dtype = None   # r_C's: the sources' (GroupRead's output, never kept here: see GroupRead)
+    queries: Tensor = None            # (R, d) the receivers' queries, norm weights and gates ((R,) or None),
+    norm_weights: Tensor = None       # stacked (detached) once for all the group's kernels, forward and backward
+    gates: Tensor | None = None
     lse_c: Tensor = None              # (R, M)
     lse: Tensor = None                # (R, M) the receivers' full log-sum-exp
     go: Tensor | None = None          # (R, slab) dL/dr per receiver, written by their backwards
@@ -153,16 +156,16 @@ class Group:
         group's dbase when its base is the group's (else a tensor of its own, returned by its node); for the
         group's first receiver, whose h~ is that base, the other receivers' slots to add to its dh."""
         self.backward_buffers(h)
-        dbase = None
+        dbase, dbase_slot = None, 0
         if base is not None:
-            dbase = slot_view(self.dbase, spec.slot, h) if spec.base_to_group else torch.empty_like(base)
+            dbase, dbase_slot = (self.dbase, spec.slot) if spec.base_to_group else (slots(1, base), 0)
         dsum = None
         if spec.sums_group and self.dbase_slots:
             lo, hi = min(self.dbase_slots), max(self.dbase_slots) + 1
             if hi - lo == len(self.dbase_slots):
                 dsum, self.dbase_summed = (self.dbase, lo, hi), True
         self.written.append(spec.slot)
-        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, self.du, self.dgate, dsum)
+        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate, dsum)
 
     def receivers_du(self, d: int) -> tuple[Tensor, Tensor]:
         """The receivers' own parts of du (R, d) and dgate (R,), summed over their programs (zero for a receiver
@@ -181,6 +184,7 @@ class Group:
     def release(self) -> None:
         """After the group's backward, the last to use them: its sources and buffers go."""
         self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = self.du = self.dgate = None
+        self.queries = self.norm_weights = self.gates = None
 
 
 def _params(routers: list[Router]) -> list[Tensor]:
@@ -214,8 +218,10 @@ class GroupRead(torch.autograd.Function):
         ctx.group, ctx.bank, ctx.owned = group, bank, owned
         like = group.table.tensors[0]
         M, R = like.numel() // like.shape[-1], len(group.routers)
-        queries = torch.stack([r.query for r in group.routers]).detach()          # (R, d)
-        norm_weights = torch.stack([r.norm_weight for r in group.routers]).detach()
+        queries = group.queries = torch.stack([r.query for r in group.routers]).detach()          # (R, d)
+        norm_weights = group.norm_weights = torch.stack([r.norm_weight for r in group.routers]).detach()
+        if group.routers[0].gate is not None:
+            group.gates = torch.cat([r.gate for r in group.routers]).detach()                      # (R,)
         state = slots(R, like, group.state_dtype)
         group.lse_c = torch.empty(R, M, dtype=torch.float32, device=like.device)
         group.lse = torch.empty_like(group.lse_c)
@@ -261,47 +267,45 @@ class Receiver:
     x_dtype: torch.dtype
     static: dict = field(default_factory=dict)   # the kernels' non-tensor arguments (Read.kernel_args)
 
-    def read(self, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor, norm_weight: Tensor,
-             gate: Tensor | None, weight: Tensor, null: Tensor | None) -> Read:
+    def read(self, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor, null: Tensor | None) -> Read:
         """The kernels' view of this read, from the node's tensors."""
         group = self.group
-        return Read(self.table, state, group.lse_c, group.lse, self.slot, h, base, query, norm_weight, gate, weight,
-                    self.null if null is None else null, self.eps, self.norm_eps, self.add, self.r_dtype,
-                    self.x_dtype, self.static)
+        return Read(self.table, state, group.lse_c, group.lse, self.slot, h, base, group.queries, group.norm_weights,
+                    group.gates, weight, self.null if null is None else null, self.eps, self.norm_eps, self.add,
+                    self.r_dtype, self.x_dtype, self.static)
 
 
 class ReceiverRead(torch.autograd.Function):
     """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_weight(h~ + gate r) or RMSNorm_weight(r). Its
-    query, norm weight and gate are inputs for their values; their gradients are the group node's to return
-    (GroupRead), once per group."""
+    query, norm weight and gate are the group's (GroupRead takes them, stacks them for every kernel of the group
+    and returns their gradients once per group)."""
 
     @staticmethod
-    def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, query: Tensor,
-                norm_weight: Tensor, gate: Tensor | None, weight: Tensor, null: Tensor | None,
-                *owned: Tensor) -> Tensor:
-        y = receiver_forward(spec.read(h, base, state, query, norm_weight, gate, weight, null),
-                             torch.promote_types(weight.dtype, spec.x_dtype))
-        ctx.save_for_backward(h, base, state, query, norm_weight, gate, weight, null)
+    def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor,
+                null: Tensor | None, *owned: Tensor) -> Tensor:
+        y = receiver_forward(spec.read(h, base, state, weight, null), torch.promote_types(weight.dtype, spec.x_dtype))
+        ctx.save_for_backward(h, base, state, weight, null)
         ctx.spec, ctx.bank = spec, bank
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        h, base, state, query, norm_weight, gate, weight, null = ctx.saved_tensors
+        h, base, state, weight, null = ctx.saved_tensors
         spec, bank = _take(ctx, "spec", "bank")
         group = spec.group
         grads = group.receiver_grads(spec, h, base, bank.pointers(spec.table, spec.first))
-        out = receiver_backward(spec.read(h, base, state, query, norm_weight, gate, weight, null), aligned(dy), grads)
-        dnull = None
+        out = receiver_backward(spec.read(h, base, state, weight, null), aligned(dy), grads)
+        dnull, dbase = None, None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
-            dnull, du_null = learned_null_grads(null, query, norm_weight, spec.eps,
-                                                slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1),
+            dnull, du_null = learned_null_grads(null, group.queries[spec.slot], group.norm_weights[spec.slot],
+                                                spec.eps, slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1),
                                                 group.D[spec.slot], group.lse[spec.slot])
             group.du[spec.slot, 0, :du_null.numel()] += du_null
             dnull = dnull.to(null.dtype)
-        # the query's, norm weight's and gate's gradients: returned by the group's node (GroupRead)
-        return (None, None, out["dh"], None if spec.base_to_group else grads.dbase, None, None, None, None,
-                out["dweight"].to(weight.dtype), dnull, *[bank.grad(k) for k in spec.owned])
+        if base is not None and not spec.base_to_group:   # else the group's node returns the base's gradient
+            dbase = slot_view(grads.dbase, 0, base)
+        return (None, None, out["dh"], dbase, None, out["dweight"].to(weight.dtype), dnull,
+                *[bank.grad(k) for k in spec.owned])
 
 
 class GroupedDepthState(DepthState):
@@ -403,8 +407,8 @@ class GroupedDepthState(DepthState):
                         base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
                         norm.eps, r_dtype, x_dtype)
         learned_null = router.null if self.policy.null_source else None
-        return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, router.query, router.norm_weight,
-                                  router.gate, norm.weight, learned_null, *[self.sources[k] for k in owned])
+        return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
+                                  *[self.sources[k] for k in owned])
 
     # Reads hold Python state across autograd nodes (groups, the gradient bank) and launch kernels through
     # address tables: a graph traced around the whole model breaks here instead of tracing them.

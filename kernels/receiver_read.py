@@ -73,13 +73,14 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
-    the full lse to lse_ptr + slot M."""
+    the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
+    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-    u = folded_query(q_ptr, g_ptr, cols, d)
+    u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)   # row `slot` of the group's (R, d)
     m, l, acc = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                              BLOCK_D)
     m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
@@ -94,33 +95,34 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         m, l, acc = softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
-    gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
+    gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
     x = _mix(h, r, gate, ADD, X_DTYPE)
     xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dsum_lo", "dsum_hi", "tiles",
-                             "accumulate"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
+                             "tiles", "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, go_ptr, D_ptr,
-                  dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles,
-                  accumulate, M, d, eps, norm_eps,
+                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, dbase_slot,
+                  go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles, accumulate, M, d,
+                  eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
                   NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
-    (partial), since this receiver's h is their base), -dL/d(partial) at dbase_ptr, the table sources'
+    (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
+    table sources'
     gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and per-program
     partial sums of dw (norm weight) at dw_ptr and of du and dgate into row `slot` of the group's buffers at
     du_ptr (R, programs, BLOCK_D) and dgate_ptr (R, programs): the group's node sums them, once per group."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    u = folded_query(q_ptr, g_ptr, cols, d)
+    u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr, mask=has_gate != 0, other=1.0).to(tl.float32)
+    gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)
     if NULL == NULL_LEARNED:              # the learned null's vector and logit
         n, z_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
     du = tl.zeros((BLOCK_D,), tl.float32)
@@ -175,7 +177,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             dp, dz_rstd = source_grad(p, dr, u, lse, D, d, eps)
             du += tl.sum(dz_rstd[:, None] * p, axis=0)
             dh += dp
-            tl.store(dbase_ptr + offs, (-dp).to(dbase_ptr.dtype.element_ty), mask=mask)
+            tl.store(dbase_ptr + dbase_slot.to(tl.int64) * slab + offs, (-dp).to(dbase_ptr.dtype.element_ty),
+                     mask=mask)
         if ADD or HAS_DIFF or SUMS:
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
         if HAS_STATE:                     # for phase 1's backward
@@ -258,9 +261,9 @@ class Read:
     slot: int                         # this receiver's row of state, lse_c and lse
     h: Tensor                         # the stream h~ (and the partial block's minuend)
     base: Tensor | None               # the partial block h~ - base's base, or None
-    query: Tensor                     # (d,) w_l
-    norm_weight: Tensor               # (d,) g_l
-    gate: Tensor | None               # (1,) gamma_l, or None
+    queries: Tensor                   # (R, d) the group's w_l: row `slot` is this receiver's
+    norm_weights: Tensor              # (R, d) the group's g_l
+    gates: Tensor | None              # (R,) the group's gamma_l, or None
     weight: Tensor                    # (d,) the sublayer's pre-norm weight
     null: Tensor | bool               # the null source: a learned (d,) vector, zero (True) or none (False)
     eps: float                        # the routing keys' RMSNorm eps
@@ -285,14 +288,14 @@ class Read:
             dtypes = table.dtype_args() if table is not None else dict(A_DTYPE=DTYPES[h.dtype], B_DTYPE=DTYPES[h.dtype])
             null = NULL_LEARNED if isinstance(self.null, Tensor) else NULL_ZERO if self.null else NULL_NONE
             self.static.update(n_a=n_a, n_b=n_b, **dtypes, slot=self.slot, slab=slab_of(h),
-                               has_gate=int(self.gate is not None), NULL=null.value, M=self.M, d=h.shape[-1],
+                               has_gate=int(self.gates is not None), NULL=null.value, M=self.M, d=h.shape[-1],
                                eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
                                X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
                                HAS_DIFF=self.base is not None, ADD=self.add)
         return dict(self.static, table=h if self.table is None else self.table.addresses,
                     state_ptr=h if self.state is None else self.state, lse_c_ptr=self.lse_c, h_ptr=h,
-                    base_ptr=h if self.base is None else self.base, q_ptr=self.query, g_ptr=self.norm_weight,
-                    gate_ptr=weight if self.gate is None else self.gate, w_ptr=weight, lse_ptr=self.lse,
+                    base_ptr=h if self.base is None else self.base, q_ptr=self.queries, g_ptr=self.norm_weights,
+                    gate_ptr=weight if self.gates is None else self.gates, w_ptr=weight, lse_ptr=self.lse,
                     null_ptr=self.null if isinstance(self.null, Tensor) else weight)
 
     def reads(self, table_times: int) -> list:
@@ -308,7 +311,7 @@ class Read:
 class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
     kernels/grouped_state.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
-    (None without a state); dbase, (B, T, d), for -dL/d(partial); dsum = (buffer, lo, hi): slots lo..hi-1
+    (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer, lo, hi): slots lo..hi-1
     of buffer added to dh (the group's other partials, when h is their base); du (R, programs, BLOCK_D) and
     dgate (R, programs): the group's buffers of per-program partial sums (partials_shape), row `slot` this
     receiver's."""
@@ -317,6 +320,7 @@ class ReadGrads:
     go: Tensor | None
     D: Tensor | None
     dbase: Tensor | None
+    dbase_slot: int
     du: Tensor
     dgate: Tensor
     dsum: tuple[Tensor, int, int] | None = None
@@ -332,7 +336,7 @@ def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
     """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [the state's slot] + the table's
     sources [+ h - base] [+ the null source]; writes lse[slot]."""
     h = read.h
-    y = torch.empty(h.shape, dtype=y_dtype, device=h.device)
+    y = torch.empty_like(h, dtype=y_dtype)
     cfg = _receiver_config(read.M, h.shape[-1], backward=False)
     launch(_receiver_fwd, cdiv(read.M, cfg["BLOCK_M"]), lambda: (read.reads(1), [y, read.lse[read.slot]]), h.device,
            **read.kernel_args(), y_ptr=y, **cfg)
@@ -360,12 +364,13 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
         reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if out.dsum is not None else []
         writes = grads + [out.du[slot], dweight, out.dgate[slot]]
         writes += ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
-        writes += [out.dbase] if read.base is not None else []
+        writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.base is not None else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else [])
 
     launch(_receiver_bwd, programs, io, h.device, **read.kernel_args(),
            dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
-           dbase_ptr=h if out.dbase is None else out.dbase, go_ptr=h if out.go is None else out.go,
+           dbase_ptr=h if out.dbase is None else out.dbase, dbase_slot=out.dbase_slot,
+           go_ptr=h if out.go is None else out.go,
            D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
            du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate, tiles=tiles, accumulate=int(out.accumulate),
            SUMS=out.dsum is not None, **cfg)
