@@ -70,7 +70,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                   has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
@@ -83,7 +83,8 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)   # row `slot` of the group's (R, d)
     m, l, acc = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                              BLOCK_D)
-    m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
+    if HAS_TABLE:
+        m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if ADD or HAS_DIFF:
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -110,7 +111,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                   eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
-                  NULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  NULL: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  STAGES: tl.constexpr, ROW_STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
@@ -128,7 +130,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     du = tl.zeros((BLOCK_D,), tl.float32)
     dw = tl.zeros((BLOCK_D,), tl.float32)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
-    for t in range(tiles):
+    for t in tl.range(0, tiles, num_stages=ROW_STAGES):   # pipelined when nothing below loops (ROW_STAGES > 1)
         rows = (pid * tiles + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & (cols < d)[None, :]
@@ -139,12 +141,13 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
                                BLOCK_D)
         r = r * tl.exp(m - lse)[:, None]
-        for i in tl.range(0, n_a, num_stages=STAGES):
-            s = table_source(table, i, A_DTYPE, offs, mask)
-            r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
-        for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = table_source(table, i, B_DTYPE, offs, mask)
-            r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
+        if HAS_TABLE:
+            for i in tl.range(0, n_a, num_stages=STAGES):
+                s = table_source(table, i, A_DTYPE, offs, mask)
+                r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
+            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                s = table_source(table, i, B_DTYPE, offs, mask)
+                r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
         h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if ADD or HAS_DIFF:
@@ -184,16 +187,17 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         if HAS_STATE:                     # for phase 1's backward
             tl.store(go_ptr + slot.to(tl.int64) * slab + offs, dr.to(go_ptr.dtype.element_ty), mask=mask)
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
-        for i in tl.range(0, n_a, num_stages=STAGES):
-            s = table_source(table, i, A_DTYPE, offs, mask)
-            ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(dz_rstd[:, None] * s, axis=0)
-            accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
-        for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-            s = table_source(table, i, B_DTYPE, offs, mask)
-            ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
-            du += tl.sum(dz_rstd[:, None] * s, axis=0)
-            accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
+        if HAS_TABLE:
+            for i in tl.range(0, n_a, num_stages=STAGES):
+                s = table_source(table, i, A_DTYPE, offs, mask)
+                ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
+                du += tl.sum(dz_rstd[:, None] * s, axis=0)
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
+            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                s = table_source(table, i, B_DTYPE, offs, mask)
+                ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
+                du += tl.sum(dz_rstd[:, None] * s, axis=0)
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
         if SUMS:                          # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
             dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -252,9 +256,9 @@ def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: fl
 
 @functools.cache
 def _no_table(device: torch.device) -> Tensor:
-    """The table argument of a receiver with no sources of its own (n_a = n_b = 0: never read, but the kernel
+    """The table argument of a receiver with no sources of its own (HAS_TABLE False: never read, but the kernel
     is compiled with an int64 table), made once per device."""
-    return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.empty(1, dtype=torch.int64, device=device)
 
 
 @dataclass
@@ -298,7 +302,7 @@ class Read:
                                has_gate=int(self.gates is not None), NULL=null.value, M=self.M, d=h.shape[-1],
                                eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
                                X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
-                               HAS_DIFF=self.base is not None, ADD=self.add)
+                               HAS_DIFF=self.base is not None, ADD=self.add, HAS_TABLE=table is not None)
         return dict(self.static, table=_no_table(h.device) if self.table is None else self.table.addresses,
                     state_ptr=h if self.state is None else self.state, lse_c_ptr=self.lse_c, h_ptr=h,
                     base_ptr=h if self.base is None else self.base, q_ptr=self.queries, g_ptr=self.norm_weights,
@@ -380,5 +384,5 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
            go_ptr=h if out.go is None else out.go,
            D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
            du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate, tiles=tiles, accumulate=int(out.accumulate),
-           SUMS=out.dsum is not None, **cfg)
+           SUMS=out.dsum is not None, ROW_STAGES=4 if table is None and out.dsum is None else 1, **cfg)
     return {"dh": dh, "dweight": dweight.sum(0)[:d]}

@@ -9,9 +9,10 @@ x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB
 - rows in flight per program: the rows of one tile (BLOCK_M; the phase-1 kernels read one token row per
   program);
 - bytes in flight per SM: programs x rows x what a row keeps loading at once: one row of every per-row input
-  (the stream, a base, dy, phase 1's state or go of the group's receivers: issued together), plus STAGES rows
-  of the sources the address table streams (the software pipeline's depth), with their gradient accumulators
-  when the loop adds into them;
+  (the stream, a base, dy, phase 1's state or go of the group's receivers: issued together), times ROW_STAGES
+  where the row loop itself is pipelined (a receiver's backward with no sources of its own: the next rows'
+  inputs load while one is reduced), plus STAGES rows of the sources the address table streams (the software
+  pipeline's depth), with their gradient accumulators when the loop adds into them;
 - masked lanes: a row is one tile of BLOCK_D = next_pow2(d) lanes, of which 1 - d / BLOCK_D do nothing.
 
 The bandwidth model (kernels/tools/traffic.py uses it): a kernel reaches MAX_EFFICIENCY of the peak bandwidth if
@@ -77,5 +78,5 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
     row = sum(_row_bytes(t, M, d) for t, _ in launch.reads    # accumulators (read and written) stream with
               if not isinstance(t, SourceTable) and not any(t is w for w in launch.writes))   # their sources
     rows = 1 if name in ONE_ROW else args["BLOCK_M"]
-    in_flight = programs * rows * (row + args["STAGES"] * streamed)
+    in_flight = programs * rows * (args.get("ROW_STAGES", 1) * row + args["STAGES"] * streamed)
     return Occupancy(name, d, programs, rows, int(in_flight), 1 - d / block_d)
