@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.depth_route import depth_route
-from kernels.launch import observe_launches
+from kernels.launch import observe_launches, skipped_launches
 from kernels.tools import host
 from kernels.tools.bound import lower_bound
 from kernels.tools.occupancy import LATENCY_S, MAX_EFFICIENCY, Occupancy, occupancy
@@ -102,3 +102,18 @@ def test_the_host_meter_counts_launches_and_routing_time():
     routed = host.step_time("delta_block", repeats=2, shape=shape)
     assert base["launches"] == 0 and routed["launches"] > 2 * 2 * 4      # forward and backward of 8 receivers
     assert routed["seconds"] > 0 and base["seconds"] > 0
+    paired = host.measure(("baseline", "delta_block"), repeats=2, shape=shape)
+    assert paired["baseline"]["routing_seconds"] == 0 and paired["delta_block"]["launches"] == routed["launches"]
+
+
+def test_skipped_launches_are_listed_and_never_described():
+    """The host meter's skip: every launch in the block is listed by name and skipped (its output is never
+    written), and no observer is asked (so nothing builds the launch's description)."""
+    sources = [torch.randn(1, 4, 16) for _ in range(3)]
+    query, norm_weight = torch.zeros(16), torch.ones(16)
+    described = []
+    with observe_launches(lambda launch: described.append(launch) and False), skipped_launches() as names:
+        out = depth_route(sources, query, norm_weight)
+    assert names == ["_route_fwd"] and not described
+    assert not torch.allclose(out, torch.stack(sources).mean(0))          # skipped: r is never computed
+    assert torch.allclose(depth_route(sources, query, norm_weight), torch.stack(sources).mean(0), atol=1e-6)
