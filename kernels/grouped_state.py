@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernels.group_read import group_backward, group_forward, receivers_per_pass
-from kernels.launch import SourceTable, aligned, slot_view, slots, source_table
+from kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
 from kernels.receiver_read import (Read, ReadGrads, learned_null_grads, partials_shape, receiver_backward,
                                    receiver_forward)
 from router import DepthState, Policy, Router
@@ -208,9 +208,10 @@ def _take(ctx, *names: str) -> list:
 class GroupRead(torch.autograd.Function):
     """Phase 1 of a group. Inputs: the group's base h~, the committed sources this node owns, each receiver's
     query, norm weight and gate, whose gradients (phase 1's part and the receivers' own, which their backwards
-    leave in the group) it returns once for the group. Output: the r_C buffer (R, slab), which every receiver of the group takes as an
-    input, so this node's backward runs after theirs. The output's grad_fn is this node, whose context holds
-    the group: so the group never holds the output (that would be a reference cycle through the graph)."""
+    leave in the group) it returns once for the group. Output: the r_C buffer (R, slab), which every receiver of
+    the group takes as an input, so this node's backward runs after theirs. The output's grad_fn is this node,
+    whose context holds the group: so the group never holds the output (that would be a reference cycle through
+    the graph)."""
 
     @staticmethod
     def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, *inputs: Tensor) -> Tensor:
@@ -297,9 +298,9 @@ class ReceiverRead(torch.autograd.Function):
         out = receiver_backward(spec.read(h, base, state, weight, null), aligned(dy), grads)
         dnull, dbase = None, None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
+            go = slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1)
             dnull, du_null = learned_null_grads(null, group.queries[spec.slot], group.norm_weights[spec.slot],
-                                                spec.eps, slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1),
-                                                group.D[spec.slot], group.lse[spec.slot])
+                                                spec.eps, go, group.D[spec.slot], group.lse[spec.slot])
             group.du[spec.slot, 0, :du_null.numel()] += du_null
             dnull = dnull.to(null.dtype)
         if base is not None and not spec.base_to_group:   # else the group's node returns the base's gradient
@@ -326,6 +327,8 @@ class GroupedDepthState(DepthState):
         self.router_list = list(self.routers)   # indexed at every read: cheaper than the ModuleList
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
+        self.source_list = SourceList()   # the committed sources, checked and aligned as they come: tables of them
+        self.source_list.append(self.h)   # cost only their upload
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None
         self.group_output: Tensor | None = None   # the current group's r_C buffer, as GroupRead returned it
@@ -356,6 +359,7 @@ class GroupedDepthState(DepthState):
         super().commit_block()
         if len(self.sources) > n:
             self.bank.add(self.sources[-1])
+            self.source_list.append(self.sources[-1])
             self.block_start, self.outputs_since_commit = self.h, []
 
     def _claim(self, indices: range) -> list[int]:
@@ -369,7 +373,7 @@ class GroupedDepthState(DepthState):
             members = [i for i, g in enumerate(self.plan) if g == self.plan[receiver]]
             routers = [self.router_list[i] for i in members]
             committed = list(self.sources)
-            table = source_table(committed)
+            table = self.source_list.table(0, len(committed))
             group = Group(self.plan[receiver], self.plan[receiver] == self.plan[-1], members[0], routers, table,
                           len(committed), self.block_start, self.eps, state_dtype=table.tensors[-1].dtype)
             owned = self._claim(range(len(committed)))
@@ -402,7 +406,8 @@ class GroupedDepthState(DepthState):
         if add:
             x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
-        spec = Receiver(group, receiver - group.first_receiver, source_table(own) if own else None,
+        table = self.source_list.table(group.n_committed) if own else None
+        spec = Receiver(group, receiver - group.first_receiver, table,
                         group.n_committed, owned, self.policy.null_source, add, receiver != len(self.router_list) - 1,
                         base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
                         norm.eps, r_dtype, x_dtype)

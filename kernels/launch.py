@@ -1,13 +1,15 @@
 """How the routing kernels are launched: address tables, launch observers, the device, registers per SM.
 
 - A source read through an address table is an integer to the compiler, which then knows nothing of its
-  alignment. `source_table` makes every source contiguous and 16-byte aligned (copying the rare view that is
-  not) and uploads the addresses in one copy; the kernels say so with tl.multiple_of, which turns their source
-  loads into 128-bit loads. Host work is O(N) per table, and a forward read's table serves its backward.
+  alignment. `source_table` (or a `SourceList`, which checks sources one at a time as they are committed) makes
+  every source contiguous and 16-byte aligned (copying the rare view that is not) and uploads the addresses in
+  one copy; the kernels say so with tl.multiple_of, which turns their source loads into 128-bit loads. Host
+  work is O(N) per table, and a forward read's table serves its backward.
 - Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and
-  writes: built only when someone observes, from the caller's `io` function) to observers first: kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the
-  specialisations the model launches, and kernels/tools/bench.py times the host path without launching. It runs
-  the kernel on the tensors' device.
+  writes: built only when someone observes, from the caller's `io` function) to observers first:
+  kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the specialisations the
+  model launches, and kernels/tools/bench.py times the host path without launching; `skipped_launches` skips
+  them unobserved (kernels/tools/host.py). It runs the kernel on the tensors' device.
 - `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
   should share an SM (each kernel module says, in PROGRAMS_PER_SM, and why).
 """
@@ -157,34 +159,58 @@ class SourceTable:
         return out
 
 
+class SourceList:
+    """Sources validated and aligned one at a time, as a forward pass commits them, so that each read's table
+    (`table(lo, hi)`: sources[lo:hi]) costs only its ordering and its upload: the model's path builds a table per
+    group and per receiver over sources committed earlier (kernels/grouped_state.py)."""
+
+    def __init__(self):
+        self.tensors: list[Tensor] = []     # aligned, in commit order
+        self.dtypes: list[torch.dtype] = []
+
+    def append(self, s: Tensor) -> None:
+        """Check s against the first source (shape, device, a dtype the kernels take) and keep it aligned."""
+        i = len(self.tensors)
+        if i == 0:
+            if s.dim() != 3:
+                raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(s.shape)}")
+        else:
+            first = self.tensors[0]
+            if s.shape != first.shape or s.device != first.device:
+                raise ValueError(f"sources[{i}] is {tuple(s.shape)} on {s.device}; every source must match "
+                                 f"sources[0]: {tuple(first.shape)} on {first.device}")
+        if s.dtype not in DTYPES:
+            raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
+                             f"got {s.dtype} (the reference router.depth_route takes any float dtype)")
+        self.tensors.append(aligned(s))
+        self.dtypes.append(s.dtype)
+
+    def table(self, lo: int = 0, hi: int | None = None) -> SourceTable:
+        """The table of sources[lo:hi]: ordered by dtype (at most two), addresses uploaded in one copy."""
+        hi = len(self.tensors) if hi is None else hi
+        if hi <= lo:
+            raise ValueError("depth_route needs at least one source")
+        dtypes = self.dtypes[lo:hi]
+        dtype_a = dtypes[0]
+        a = [i for i, dt in enumerate(dtypes) if dt == dtype_a]
+        b = [i for i, dt in enumerate(dtypes) if dt != dtype_a]
+        if b and any(dtypes[i] != dtypes[b[0]] for i in b):
+            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
+        order = a + b
+        tensors = [self.tensors[lo + i] for i in order]
+        device = tensors[0].device
+        addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+        return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
+
+
 def source_table(sources: list[Tensor]) -> SourceTable:
     """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table."""
     if not sources:
         raise ValueError("depth_route needs at least one source")
-    first = sources[0]
-    if first.dim() != 3:
-        raise ValueError(f"sources must be (B, T, d); got a source of shape {tuple(first.shape)}")
-    shape, device, dtype_a = first.shape, first.device, first.dtype
-    a, b, dtype_b = [], [], None
-    for i, s in enumerate(sources):
-        if s.shape != shape or s.device != device:
-            raise ValueError(f"sources[{i}] is {tuple(s.shape)} on {s.device}; every source must match "
-                             f"sources[0]: {tuple(shape)} on {device}")
-        if s.dtype == dtype_a:
-            a.append(i)
-        elif dtype_b is None or s.dtype == dtype_b:
-            dtype_b = s.dtype
-            b.append(i)
-        else:
-            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
-    for dtype in (dtype_a, dtype_b or dtype_a):
-        if dtype not in DTYPES:
-            raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
-                             f"got {dtype} (the reference router.depth_route takes any float dtype)")
-    order = a + b
-    tensors = [aligned(sources[i]) for i in order]
-    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
-    return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
+    found = SourceList()
+    for s in sources:
+        found.append(s)
+    return found.table()
 
 
 def register_budget(num_warps: int, programs_per_sm: int) -> int:

@@ -106,9 +106,9 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
                              "tiles", "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr, dbase_slot,
-                  go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles, accumulate, M, d,
-                  eps, norm_eps,
+                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr,
+                  dbase_slot, go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles,
+                  accumulate, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
                   NULL: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -322,10 +322,10 @@ class Read:
 class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
     kernels/grouped_state.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
-    (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer, lo, hi): slots lo..hi-1
-    of buffer added to dh (the group's other partials, when h is their base); du (R, programs, BLOCK_D) and
-    dgate (R, programs): the group's buffers of per-program partial sums (partials_shape), row `slot` this
-    receiver's."""
+    (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
+    lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
+    programs, BLOCK_D) and dgate (R, programs): the group's buffers of per-program partial sums (partials_shape),
+    row `slot` this receiver's."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
     go: Tensor | None
