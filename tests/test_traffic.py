@@ -63,12 +63,15 @@ def test_routing_bytes_are_the_step_minus_the_baseline():
 
 def test_the_lower_bound_is_a_hand_count_and_below_what_the_kernels_move():
     """4 layers, 2 blocks of Delta Block: the committed sources are e (fp32) and one block delta (bf16), 3 x their
-    bytes; the 8 sublayers but the 2 block starts read the partial: 16 d bytes each (its fp32 base read forward
-    and backward, its gradient written and read). Fine-grained Delta AttnRes: e and 7 outputs, no partial."""
+    bytes; the 8 sublayers but the 2 block starts read the partial: 12 d bytes each (its fp32 base read forward
+    and backward, its gradient written and read in bf16, as the kernels hand it over; 16 d in fp32).
+    Fine-grained Delta AttnRes: e and 7 outputs, no partial."""
     d = 64
     shape = dict(vocab_size=64, d_model=d, n_layers=4, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=2)
     block = lower_bound(ModelConfig(**shape, residual="delta_block"))
-    assert block == {"sources": 3 * d * (4 + 2), "partial": 6 * 16 * d, "bytes_per_token": 3 * d * 6 + 6 * 16 * d}
+    assert block == {"sources": 3 * d * (4 + 2), "partial": 6 * 12 * d, "bytes_per_token": 3 * d * 6 + 6 * 12 * d}
+    fp32 = lower_bound(ModelConfig(**shape, residual="delta_block"), output_dtype=torch.float32)
+    assert fp32["partial"] == 6 * 16 * d
     assert lower_bound(ModelConfig(**shape, residual="delta"))["bytes_per_token"] == 3 * d * (4 + 7 * 2)
     assert lower_bound(ModelConfig(**shape, residual="delta_block", block_source="paper"))["partial"] == 0
     measured = measure(shape, (1, 8), {m: METHODS[m] for m in ("baseline", "delta", "delta_block", "attnres")})

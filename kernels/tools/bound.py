@@ -14,7 +14,8 @@ schedule of this computation can avoid, in the dtypes train.py uses (kernels/too
   change the numerics; keeping the partial itself costs more), and the partial's gradient, which the base must
   receive with a minus sign (the +dp_l reaching h~_l flows back to h~_tau through the residual additions and
   cancels there), must wait in memory from receiver l's backward to the base's: written once and read once, in
-  fp32: 4 x 4d bytes in all;
+  the dtype the kernels hand gradients over in (the sources', as every sublayer output's gradient is: bf16 under
+  autocast): 2 x 4d + 2 x 2d bytes in all;
 - nothing else: the read-outs, their logits and softmax state are recomputable from the sources in registers, and
   the queries' and norm weights' gradients are (d,) reductions.
 
@@ -62,5 +63,6 @@ def lower_bound(cfg: ModelConfig, param_dtype: torch.dtype = torch.float32,
     source = stream if cfg.sources == "states" or cfg.block_source == "paper" else \
         torch.empty(0, dtype=output_dtype).element_size()
     sources = 3 * d * (stream + (committed - 1) * source)       # e, then the committed deltas or states
-    partial = 4 * d * stream * partial_readers
+    handed = torch.empty(0, dtype=output_dtype).element_size()  # the dtype gradients are handed over in
+    partial = 2 * d * (stream + handed) * partial_readers        # the base twice; its gradient written and read
     return {"sources": float(sources), "partial": float(partial), "bytes_per_token": float(sources + partial)}
