@@ -238,6 +238,13 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
 
 
+def _row_stages(d: int) -> int:
+    """How deep a receiver backward's row loop is pipelined where nothing loops inside it: a row of its inputs is
+    a few KB (3 to 20 at d = 768 to 1280), and 16 KB in flight per SM wants 4 rows at d > 1024, 6 below (8 would
+    read per-row scalars in more 32-bit pieces than kernels/tools/aot.py allows)."""
+    return 4 if d > 1024 else 6
+
+
 def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
                        lse: Tensor) -> tuple[Tensor, Tensor]:
     """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
@@ -384,5 +391,5 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
            go_ptr=h if out.go is None else out.go,
            D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
            du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate, tiles=tiles, accumulate=int(out.accumulate),
-           SUMS=out.dsum is not None, ROW_STAGES=4 if table is None and out.dsum is None else 1, **cfg)
+           SUMS=out.dsum is not None, ROW_STAGES=_row_stages(d) if table is None and out.dsum is None else 1, **cfg)
     return {"dh": dh, "dweight": dweight.sum(0)[:d]}
