@@ -81,6 +81,7 @@ class GradBank:
         self.dtypes: list[torch.dtype] = []         # of sources[k], in commit order
         self.position: list[int] = []               # of sources[k] among the sources of its dtype
         self.buffers: dict[torch.dtype, Tensor] = {}
+        self.views: dict[torch.dtype, tuple[Tensor, ...]] = {}   # (B, T, d) views of the buffers' slots
 
     def add(self, source: Tensor) -> None:
         """Record the next committed source."""
@@ -92,6 +93,8 @@ class GradBank:
         if not self.buffers:
             counts = {dtype: self.dtypes.count(dtype) for dtype in self.dtypes}
             self.buffers = {dtype: slots(n, self.like, dtype) for dtype, n in counts.items()}
+            numel, shape = self.like.numel(), self.like.shape    # every slot's view, made at once
+            self.views = {dtype: b[:, :numel].view(b.shape[0], *shape).unbind(0) for dtype, b in self.buffers.items()}
         if table is None:
             any_buffer = next(iter(self.buffers.values()))
             return any_buffer, any_buffer, 0, 0
@@ -107,7 +110,7 @@ class GradBank:
         return out[0][0], out[1][0], out[0][1], out[1][1]
 
     def grad(self, k: int) -> Tensor:
-        return slot_view(self.buffers[self.dtypes[k]], self.position[k], self.like)
+        return self.views[self.dtypes[k]][self.position[k]]
 
 
 @dataclass
@@ -324,6 +327,9 @@ class GroupedDepthState(DepthState):
         self.plan = plan_groups(commits, size)
         for receiver in range(self.policy.sources_from - self.policy.reads_from):
             self.plan[receiver] = -1      # reads only the null source: the reference's few torch ops, no group
+        self.members: dict[int, list[int]] = {}   # group -> its receivers
+        for receiver, g in enumerate(self.plan):
+            self.members.setdefault(g, []).append(receiver)
         self.router_list = list(self.routers)   # indexed at every read: cheaper than the ModuleList
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
@@ -370,7 +376,7 @@ class GroupedDepthState(DepthState):
 
     def _group_of(self, receiver: int) -> Group:
         if self.group is None or self.plan[receiver] != self.group.index:
-            members = [i for i, g in enumerate(self.plan) if g == self.plan[receiver]]
+            members = self.members[self.plan[receiver]]
             routers = [self.router_list[i] for i in members]
             committed = list(self.sources)
             table = self.source_list.table(0, len(committed))
