@@ -312,6 +312,22 @@ class ReceiverRead(torch.autograd.Function):
                 *[bank.grad(k) for k in spec.owned])
 
 
+class BlockDelta(torch.autograd.Function):
+    """A block's delta B = h~_now - h~_start in the sources' dtype in one pass (the fp32 difference rounded once,
+    exactly (h~_now - h~_start).to(dtype)), and its gradient to both ends in one pass each: 10 d bytes forward
+    where a subtraction and a cast move 18 d, 12 d backward where a cast and a negation move 14 d."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, start: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.dtypes = (h.dtype, start.dtype)
+        return torch.sub(h, start, out=torch.empty_like(h, dtype=dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        up, down = (torch.empty_like(grad, dtype=dtype) for dtype in ctx.dtypes)
+        return torch.mul(grad, 1.0, out=up), torch.mul(grad, -1.0, out=down), None
+
+
 class GroupedDepthState(DepthState):
     """router.DepthState with grouped, fused reads (when given the sublayer's pre-norm). It keeps no running
     partial block: the partial is h~ - block_start where a read or a commit needs it."""
@@ -358,7 +374,7 @@ class GroupedDepthState(DepthState):
             return super().new_source()
         if len(self.outputs_since_commit) == 1:                      # one output: the source is that output
             return self.outputs_since_commit[0]
-        return (self.h - self.block_start).to(self.outputs_since_commit[-1].dtype)
+        return BlockDelta.apply(self.h, self.block_start, self.outputs_since_commit[-1].dtype)
 
     def commit_block(self) -> None:
         n = len(self.sources)

@@ -26,8 +26,9 @@ def test_torch_ops_count_their_arguments_and_outputs():
         c.view(64).transpose(0, 0)         # views: nothing
         torch.empty_like(c)                # an allocation: nothing
         d.copy_(c)                         # reads c, writes d: 2 x 256 B
+        torch.sub(a, b, out=torch.empty(4, 16, device="meta", dtype=torch.bfloat16))   # 2 x 256 B, writes 128 B
     assert counter.bytes == {("forward", "torch add"): 768, ("forward", "torch mul"): 576,
-                             ("forward", "torch copy_"): 512}
+                             ("forward", "torch copy_"): 512, ("forward", "torch sub"): 640}
 
 
 def test_kernel_launches_count_the_tensors_they_move():

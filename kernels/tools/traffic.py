@@ -87,6 +87,8 @@ class ByteCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.is_view or name.startswith(("empty", "new_empty")) or name in ("detach", "alias"):
             return out
+        kwargs = dict(kwargs or {})
+        kwargs.pop("out", None)               # an out= variant's `out` is its output (written), not an input
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if name in _WRITE_ONLY:
             inputs = inputs[1:]
