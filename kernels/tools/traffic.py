@@ -224,8 +224,9 @@ REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (
 GOALS = {"delta_block": (1.3e6, 0.97), "delta": (7.5e6, 0.85)}     # MB per token above the baseline, tok/s ratio
 ABOVE_BOUND = ("the grouped schedule's own bytes (kernels/tools/bound.py): phase 1's state written and read by each "
                "receiver (and read again backward), go and D written back for phase 1's backward, each later group "
-               "reading the committed sources and reading and writing their fp32 gradient accumulators again, "
-               "phase 1's backward passes over R_BLOCK receivers at a time, autograd's sums into the stream gradient")
+               "reading the committed sources and reading and writing their gradient accumulators (in the sources' "
+               "dtype) again, phase 1's backward passes over R_BLOCK receivers at a time, the receivers' own "
+               "sources read twice backward, autograd's sums into the stream gradient")
 
 
 def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], regime: str, top: int = 6) -> str:
