@@ -103,6 +103,16 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _add_slots(dh, dsum_ptr, lo, hi, slab, offs, mask):
+    """dh plus slots lo..hi-1 of the buffer at dsum_ptr (the group's other receivers' -dL/d(partial))."""
+    slot_ptr = dsum_ptr + lo.to(tl.int64) * slab
+    for _ in range(lo, hi):
+        dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        slot_ptr += slab
+    return dh
+
+
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
                              "tiles", "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
@@ -182,6 +192,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             dh += dp
             tl.store(dbase_ptr + dbase_slot.to(tl.int64) * slab + offs, (-dp).to(dbase_ptr.dtype.element_ty),
                      mask=mask)
+        if SUMS and not HAS_TABLE:        # no source loop follows: the group's slots join dh before its one store
+            dh = _add_slots(dh, dsum_ptr, dsum_lo, dsum_hi, slab, offs, mask)
         if ADD or HAS_DIFF or SUMS:
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
         if HAS_STATE:                     # for phase 1's backward
@@ -198,13 +210,10 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                 ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
                 du += tl.sum(dz_rstd[:, None] * s, axis=0)
                 accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
-        if SUMS:                          # last, when few registers are live: dh += the group's slots
+        if SUMS and HAS_TABLE:            # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
-            dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            slot_ptr = dsum_ptr + dsum_lo.to(tl.int64) * slab
-            for _ in range(dsum_lo, dsum_hi):
-                dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                slot_ptr += slab
+            dh = _add_slots(tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32), dsum_ptr, dsum_lo, dsum_hi,
+                            slab, offs, mask)
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
     part = slot * tl.num_programs(0) + pid        # this receiver's row of the group's (R, programs) partials
     tl.store(du_ptr + part.to(tl.int64) * BLOCK_D + cols, du)
@@ -379,9 +388,11 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
     def io() -> tuple[list, list]:
         grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
         reads = read.reads(2) + [(dy, 1), (read.lse[slot], 1)] + ([(g, 1) for g in grads] if out.accumulate else [])
-        reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1), (dh, 1)] if out.dsum is not None else []
+        reloads = out.dsum is not None and table is not None   # dh stored, read back and summed with the slots
+        reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if out.dsum is not None else []
+        reads += [(dh, 1)] if reloads else []
         writes = grads + [out.du[slot], dweight, out.dgate[slot]]
-        writes += ([dh] * (1 + (out.dsum is not None)) if uses_h else [])
+        writes += ([dh] * (1 + reloads) if uses_h else [])
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.base is not None else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else [])
 
