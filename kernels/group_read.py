@@ -1,7 +1,7 @@
 """Grouped depth routing: each committed source read once per group of receivers, not once per receiver.
 
 A group is a run of consecutive receiving sublayers (a Delta Block / AttnRes block, or fine-grained Delta
-AttnRes's grouped_state.fine_group_size sublayers, 5 at 36 layers) that share the sources C committed before it
+AttnRes's grouped_state.fine_group_size sublayers, 8 at 36 layers) that share the sources C committed before it
 began; each receiver l of the group also reads a few sources I_l of its own (the outputs committed since the
 group began, the partial block h - base, a null source). With z_i = rstd_i (s_i . u_l), Eq. 1 over C and I_l
 splits exactly:
@@ -23,7 +23,8 @@ gradient accumulator per source, and gives each receiver the committed part of i
 This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
 loads; pipelined); phase 2, fused with the pre-norm, is kernels/receiver_read.py:
 - `_group_fwd`: R receivers at once, one token row per program: (r_C, lse_C) per receiver;
-- `_group_bwd`: the committed sources' gradients summed over the receivers, and their du.
+- `_group_bwd`: R receivers at once (8 to d = 2048), their rows of a token taken in groups: the committed
+  sources' gradients summed over the receivers, and their du.
 """
 from __future__ import annotations
 
@@ -55,18 +56,6 @@ def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, d):
     return q * tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _committed_grad(s, U, go, D, lse, d, eps):
-    """One committed source row s (1, BLOCK_D), summed over the receivers (rows of U, go; entries of D, lse):
-    its gradient ds (1, BLOCK_D) and every receiver's du term dz rstd s (R_BLOCK, BLOCK_D)."""
-    z, rstd = _receiver_logits(U, s, d, eps)
-    a = tl.exp(z - lse)                                                   # 0 for masked receivers (lse = inf)
-    dz_rstd = a * (tl.sum(go * s, axis=1) - D) * rstd
-    ds = (tl.sum(a[:, None] * go + dz_rstd[:, None] * U, axis=0)[None, :]
-          - tl.sum(dz_rstd * z, axis=0) * rstd[:, None] / d * s)
-    return ds, dz_rstd[:, None] * s
-
-
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
 def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, slab, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -96,66 +85,111 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
     tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
 
 
+@triton.jit
+def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, eps,
+                    H: tl.constexpr, GROUPS: tl.constexpr):
+    """One committed source row s (1, BLOCK_D), summed over receivers r0 + [0, GROUPS H) taken in GROUPS groups
+    of H: its gradient ds (1, BLOCK_D), and du with each receiver's term dz rstd s added. U and du are tuples
+    of the groups' (H, BLOCK_D) folded queries and du sums, D and lse of their (H,) per-row scalars. A group's
+    go rows (go_row + receiver slab) are read here for each source and used at once: U and du are all a pass
+    holds across the sources, which lets 8 receivers share one program's registers at d <= 2048 (their go as
+    well would not fit). The row's go comes from memory for the first source, from cache for the others. The
+    read sits in a branch (which also skips a group past the last receiver) so that the source loop's software
+    pipeline, which stages the loads of the loop body, does not keep STAGES copies of it in shared memory."""
+    rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
+    ds = tl.zeros_like(s)
+    shrink = tl.zeros_like(rstd)                                          # sum_r dz_r rstd z_r
+    new_du = ()
+    k = tl.arange(0, H)
+    for g in tl.static_range(GROUPS):
+        first = r0 + g * H
+        du_g = du[g]
+        if first < n_recv:
+            go = tl.load(go_row + (first + k)[:, None].to(tl.int64) * slab + cols[None, :],
+                         mask=(first + k < n_recv)[:, None] & mask, other=0.0).to(tl.float32)
+            us, gs = tl.split(tl.sum(tl.join(U[g] * s, go * s), axis=1))   # both dot products, one reduction
+            z = us * rstd
+            a = tl.exp(z - lse[g])                                        # 0 for masked receivers (lse = inf)
+            dz_rstd = a * (gs - D[g]) * rstd
+            ds += tl.sum(a[:, None] * go + dz_rstd[:, None] * U[g], axis=0)[None, :]
+            shrink += tl.sum(dz_rstd * z, axis=0)
+            du_g += dz_rstd[:, None] * s
+        new_du = new_du + (du_g,)
+    return ds - shrink[:, None] * rstd[:, None] / d * s, new_du
+
+
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
 def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, acc_a_ptr, acc_b_ptr,
                off_a, off_b, du_ptr, tiles, accumulate, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, GROUPS: tl.constexpr,
                BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-    """The committed sources' gradients for receivers r0 + [0, R_BLOCK): source i's summed over them goes to
-    accumulator off_a + i of acc_a (a slot = slab elements) or off_b + i - n_a of acc_b. Each program takes
-    `tiles` consecutive token rows and writes its partial sum of every receiver's du (du_ptr row pid)."""
+    """The committed sources' gradients for receivers r0 + [0, R_BLOCK) (those < n_recv), in GROUPS groups of
+    R_BLOCK / GROUPS: source i's summed over them goes to accumulator off_a + i of acc_a (a slot = slab
+    elements) or off_b + i - n_a of acc_b. Each program takes `tiles` consecutive token rows and writes its
+    partial sum of every receiver's du (du_ptr row pid). D, lse: (n_recv, M) with fewer than 2^31 entries."""
     pid = tl.program_id(0)
-    recv = r0 + tl.arange(0, R_BLOCK)
-    recv_ok = recv < n_recv
+    H: tl.constexpr = R_BLOCK // GROUPS
+    k = tl.arange(0, H)
     cols = tl.arange(0, BLOCK_D)
     mask = (cols < d)[None, :]
-    rmask = recv_ok[:, None] & mask
-    U = _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, d)
-    du = tl.zeros((R_BLOCK, BLOCK_D), tl.float32)
-    for t in range(tiles):
+    U = ()
+    du = ()
+    for g in tl.static_range(GROUPS):
+        recv = r0 + g * H + k
+        U = U + (_receiver_queries(q_ptr, g_ptr, recv, recv < n_recv, cols, d),)
+        du = du + (tl.zeros((H, BLOCK_D), tl.float32),)
+    # disable_licm: what the source loops do once per row (their pipelines' first loads, their bounds) would
+    # otherwise be hoisted out of the row loop and held in registers through both source loops
+    for t in tl.range(tiles, disable_licm=True):
         row = pid * tiles + t
         if row < M:
             offs = row.to(tl.int64) * d + cols[None, :]
-            go = tl.load(go_ptr + recv[:, None].to(tl.int64) * slab + offs, mask=rmask, other=0.0).to(tl.float32)
-            D = tl.load(D_ptr + recv.to(tl.int64) * M + row, mask=recv_ok, other=0.0)
-            lse = tl.load(lse_ptr + recv.to(tl.int64) * M + row, mask=recv_ok, other=float("inf"))
+            go_row = go_ptr + row.to(tl.int64) * d
+            D = ()
+            lse = ()
+            for g in tl.static_range(GROUPS):
+                recv = r0 + g * H + k
+                D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
+                lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
             for i in tl.range(0, n_a, num_stages=STAGES):
                 s = table_source(table, i, A_DTYPE, offs, mask)
-                ds, du_i = _committed_grad(s, U, go, D, lse, d, eps)
-                du += du_i
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, eps, H, GROUPS)
                 accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
                 s = table_source(table, i, B_DTYPE, offs, mask)
-                ds, du_i = _committed_grad(s, U, go, D, lse, d, eps)
-                du += du_i
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, eps, H, GROUPS)
                 accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
-    tl.store(du_ptr + pid.to(tl.int64) * R_BLOCK * BLOCK_D + tl.arange(0, R_BLOCK)[:, None] * BLOCK_D + cols[None, :],
-             du)
+    out = du_ptr + pid.to(tl.int64) * R_BLOCK * BLOCK_D + k[:, None] * BLOCK_D + cols[None, :]
+    for g in tl.static_range(GROUPS):
+        tl.store(out + g * H * BLOCK_D, du[g])
 
 
 # ------------------------------------------------------------------------------------------ launching
 
 # Programs per SM each kernel is built for (kernels/tools/aot.py checks registers against it): phase 1 holds every
-# receiver's running sum of a row (forward) or its go, query and du (backward), so one program per SM, whose
+# receiver's running sum of a row (forward) or its folded query and du (backward), so one program per SM, whose
 # software pipeline keeps the next rows of sources in flight.
 PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
-    """Phase 1 keeps R_BLOCK receivers' rows (running sums; backward: go, folded queries and du) of one token
-    row in registers; more receivers than R_BLOCK read the sources again (forward) or in further launches.
-    With one program per SM, the source loop's pipeline (STAGES tiles in flight, staged in shared memory) is
-    what keeps loads in flight (kernels/tools/occupancy.py): as deep as registers and shared memory allow
-    without spilling at the paper's widths (checked by kernels/tools/aot.py: backward, 16-bit sources 8 stages
-    to d = 1024 and 6 to 2048, else 4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more
-    32-bit pieces). element_size: the bytes of the table's sources."""
+    """Phase 1 keeps R_BLOCK receivers' rows of one token row in registers: their running sums (forward), or
+    their folded queries and du (backward, in GROUPS groups of R_BLOCK / GROUPS receivers whose go rows are
+    read per source, not held). 8 receivers to d = 2048, 4 at 4096: the backward's query and du tiles are then
+    (8, 2048) fp32 each, half the registers of an SM, and with go held as well they would spill. More receivers
+    than R_BLOCK read the sources again (forward) or in further launches. With one program per SM, the source
+    loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in flight
+    (kernels/tools/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
+    widths (checked by kernels/tools/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
+    4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces). element_size: the
+    bytes of the table's sources."""
     block_d = triton.next_power_of_2(d)
     if interpreting():
-        return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4)
+        return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4, **(dict(GROUPS=4) if backward else {}))
     if backward:
         stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
-        return dict(R_BLOCK=4 if block_d <= 2048 else 2, BLOCK_D=block_d, STAGES=stages,
+        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, BLOCK_D=block_d, STAGES=stages,
                     num_warps=8, maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
     return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=8 if block_d > 1024 else 6,
                 num_warps=16, maxnreg=register_budget(16, PROGRAMS_PER_SM["_group_fwd"]))
@@ -190,6 +224,8 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     see GradBank.pointers), written or added to; returns du (n_recv, d) fp32, the committed part."""
     first = table.tensors[0]
     M, d = first.numel() // first.shape[-1], first.shape[-1]
+    if D.numel() >= 2 ** 31:      # the kernel reads D and lse (n_recv, M) at 32-bit offsets
+        raise ValueError(f"phase 1's backward takes fewer than 2^31 per-row scalars; got {tuple(D.shape)}")
     cfg = _group_config(d, backward=True, element_size=table.tensors[-1].element_size())
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)

@@ -203,6 +203,23 @@ def test_grouped_read_is_one_softmax_over_every_source(case, scale_of_logits, na
     """Phase 1's state over the committed sources, merged with each receiver's own sources (and the partial
     block, the null source) by the online softmax, is Eq. 1 over all of them: every sublayer input and every
     gradient as the reference state's, in groups of several sizes, with moderate and extreme logits."""
+    assert_grouped_matches_reference(case, scale_of_logits)
+
+
+@pytest.mark.parametrize("r_block,groups", [(4, 2), (8, 4)], ids=["R4xG2", "R8xG4"])
+def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, nan_empty):
+    """Phase 1's backward as it is built for a GPU: R_BLOCK receivers per pass taken in GROUPS groups of
+    R_BLOCK / GROUPS. Groups of 7 receivers and 1 take two passes (4 + 3) or one, with a group partly past the
+    last receiver and groups wholly past it: every input and gradient as the reference's."""
+    from kernels import group_read
+    config = group_read._group_config
+    compiled = dict(R_BLOCK=r_block, GROUPS=groups)
+    monkeypatch.setattr(group_read, "_group_config", lambda d, backward, element_size=2:
+                        dict(config(d, backward, element_size), **(compiled if backward else {})))
+    assert_grouped_matches_reference(("delta", {"null_source": True}, 7, {"gate": True}), 0.3)
+
+
+def assert_grouped_matches_reference(case, scale_of_logits):
     got_ys, got_grads = run_state(GroupedDepthState, *case, scale_of_logits)
     want_ys, want_grads = run_state(DepthState, *case, scale_of_logits)
     # With logits ~300 an fp32 logit carries an absolute rounding error ~300 times larger, which the two paths
