@@ -125,6 +125,7 @@ class Group:
     base: Tensor                      # h~ at the group's start: the partial block's base for its receivers
     eps: float
     state_dtype: torch.dtype = None   # r_C's: the sources' (GroupRead's output, never kept here: see GroupRead)
+    saved_r: Tensor | None = None     # (R, slab) the read-outs of receivers that keep theirs for their backward
     queries: Tensor = None            # (R, d) the receivers' queries, norm weights and gates ((R,) or None),
     norm_weights: Tensor = None       # stacked (detached) once for all the group's kernels, forward and backward
     gates: Tensor | None = None
@@ -187,7 +188,7 @@ class Group:
     def release(self) -> None:
         """After the group's backward, the last to use them: its sources and buffers go."""
         self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = self.du = self.dgate = None
-        self.queries = self.norm_weights = self.gates = None
+        self.queries = self.norm_weights = self.gates = self.saved_r = None
 
 
 def _params(routers: list[Router]) -> list[Tensor]:
@@ -269,6 +270,7 @@ class Receiver:
     norm_eps: float
     r_dtype: torch.dtype              # the read-out's dtype (the reference's: sources[0]'s)
     x_dtype: torch.dtype
+    saves_r: bool = False             # keeps its r for its backward (group.saved_r): see GroupedDepthState._read
     static: dict = field(default_factory=dict)   # the kernels' non-tensor arguments (Read.kernel_args)
 
     def read(self, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor, null: Tensor | None) -> Read:
@@ -276,7 +278,7 @@ class Receiver:
         group = self.group
         return Read(self.table, state, group.lse_c, group.lse, self.slot, h, base, group.queries, group.norm_weights,
                     group.gates, weight, self.null if null is None else null, self.eps, self.norm_eps, self.add,
-                    self.r_dtype, self.x_dtype, self.static)
+                    self.r_dtype, self.x_dtype, saved_r=group.saved_r if self.saves_r else None, static=self.static)
 
 
 class ReceiverRead(torch.autograd.Function):
@@ -288,7 +290,7 @@ class ReceiverRead(torch.autograd.Function):
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor,
                 null: Tensor | None, *owned: Tensor) -> Tensor:
         y = receiver_forward(spec.read(h, base, state, weight, null), torch.promote_types(weight.dtype, spec.x_dtype))
-        ctx.save_for_backward(h, base, state, weight, null)
+        ctx.save_for_backward(h, base, None if spec.saves_r else state, weight, null)   # a saved r replaces the state
         ctx.spec, ctx.bank = spec, bank
         return y
 
@@ -429,10 +431,16 @@ class GroupedDepthState(DepthState):
             x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
         table = self.source_list.table(group.n_committed) if own else None
+        # With two or more sources of its own, a receiver's backward reads its forward's r (one row, in r_dtype)
+        # instead of the state and each of those sources again: r as it was mixed, rounded to r_dtype, so its
+        # D = go . r is that of the rounded r (the reference's r is rounded there too, before the mix)
+        saves_r = table is not None and len(table.tensors) >= 2
+        if saves_r and group.saved_r is None:
+            group.saved_r = slots(len(group.routers), self.h, self.sources[0].dtype)
         spec = Receiver(group, receiver - group.first_receiver, table,
                         group.n_committed, owned, self.policy.null_source, add, receiver != len(self.router_list) - 1,
                         base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
-                        norm.eps, r_dtype, x_dtype)
+                        norm.eps, r_dtype, x_dtype, saves_r)
         learned_null = router.null if self.policy.null_source else None
         return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
                                   *[self.sources[k] for k in owned])

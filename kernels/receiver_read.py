@@ -67,10 +67,11 @@ def _null_source(null_ptr, NULL: tl.constexpr, u, cols, d, eps):
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
 def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, M, d, eps, norm_eps,
+                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, r_ptr, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
-                  HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
@@ -96,6 +97,8 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         m, l, acc = softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
+    if R_SAVED:                           # for the backward, in place of the state and the table's second read
+        tl.store(r_ptr + slot.to(tl.int64) * slab + offs, r.to(r_ptr.dtype.element_ty), mask=mask)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
     x = _mix(h, r, gate, ADD, X_DTYPE)
     xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
@@ -117,12 +120,12 @@ def _add_slots(dh, dsum_ptr, lo, hi, slab, offs, mask):
                              "tiles", "accumulate"])
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
                   has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr,
-                  dbase_slot, go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, du_ptr, dw_ptr, dgate_ptr, tiles,
-                  accumulate, M, d, eps, norm_eps,
+                  dbase_slot, go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, r_ptr, du_ptr, dw_ptr, dgate_ptr,
+                  tiles, accumulate, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
-                  NULL: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  STAGES: tl.constexpr, ROW_STAGES: tl.constexpr):
+                  NULL: tl.constexpr, HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, STAGES: tl.constexpr, ROW_STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
@@ -147,26 +150,29 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
         lse = tl.load(lse_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=float("inf"))  # rows past M:
         # every weight exp(z - lse) is 0, so nothing there overflows into the sums over rows
-        # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(z_i - lse) s_i (+ the partial block's term)
-        m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
-                               BLOCK_D)
-        r = r * tl.exp(m - lse)[:, None]
-        if HAS_TABLE:
-            for i in tl.range(0, n_a, num_stages=STAGES):
-                s = table_source(table, i, A_DTYPE, offs, mask)
-                r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
-            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = table_source(table, i, B_DTYPE, offs, mask)
-                r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
         h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if ADD or HAS_DIFF:
             h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DIFF:
             p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            r += tl.exp(logit(p, u, d, eps)[0] - lse)[:, None] * p
-        if NULL == NULL_LEARNED:
-            r += tl.exp(z_n - lse)[:, None] * n[None, :]
+        if R_SAVED:                       # the forward's r, as it was mixed (rounded to R_DTYPE)
+            r = tl.load(r_ptr + slot.to(tl.int64) * slab + offs, mask=mask, other=0.0).to(tl.float32)
+        else:                             # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(z_i - lse) s_i
+            m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE,
+                                   BLOCK_M, BLOCK_D)
+            r = r * tl.exp(m - lse)[:, None]
+            if HAS_TABLE:
+                for i in tl.range(0, n_a, num_stages=STAGES):
+                    s = table_source(table, i, A_DTYPE, offs, mask)
+                    r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
+                for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                    s = table_source(table, i, B_DTYPE, offs, mask)
+                    r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
+            if HAS_DIFF:                  # (+ the partial block's term, + a learned null's)
+                r += tl.exp(logit(p, u, d, eps)[0] - lse)[:, None] * p
+            if NULL == NULL_LEARNED:
+                r += tl.exp(z_n - lse)[:, None] * n[None, :]
         r_mixed = r.to(R_DTYPE).to(tl.float32)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
         x = _mix(h, r_mixed, gate, ADD, X_DTYPE)
@@ -298,6 +304,8 @@ class Read:
     add: bool                         # additive (x = h + gate r) or replacement (x = r)
     r_dtype: torch.dtype              # r and x are rounded where the reference rounds them
     x_dtype: torch.dtype
+    saved_r: Tensor | None = None     # (R, slab) the group's saved read-outs (row `slot`: this receiver's r, in
+    # r_dtype, written forward and read backward in place of the state and the table's second pass), or None
     static: dict = field(default_factory=dict)   # kernel_args' non-tensor part, filled once: a receiver's
     # forward and backward share the dict (kernels/grouped_state.py's Receiver holds it)
 
@@ -318,18 +326,22 @@ class Read:
                                has_gate=int(self.gates is not None), NULL=null.value, M=self.M, d=h.shape[-1],
                                eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
                                X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
-                               HAS_DIFF=self.base is not None, ADD=self.add, HAS_TABLE=table is not None)
+                               HAS_DIFF=self.base is not None, ADD=self.add, HAS_TABLE=table is not None,
+                               R_SAVED=self.saved_r is not None)
         return dict(self.static, table=_no_table(h.device) if self.table is None else self.table.addresses,
                     state_ptr=h if self.state is None else self.state, lse_c_ptr=self.lse_c, h_ptr=h,
                     base_ptr=h if self.base is None else self.base, q_ptr=self.queries, g_ptr=self.norm_weights,
                     gate_ptr=weight if self.gates is None else self.gates, w_ptr=weight, lse_ptr=self.lse,
-                    null_ptr=self.null if isinstance(self.null, Tensor) else weight)
+                    null_ptr=self.null if isinstance(self.null, Tensor) else weight,
+                    r_ptr=h if self.saved_r is None else self.saved_r)
 
-    def reads(self, table_times: int) -> list:
-        """What both kernels read of the read's inputs (for the launch observers)."""
-        h = self.h
-        reads = [(self.table, table_times)] if self.table is not None else []
-        reads += [(slot_view(self.state, self.slot, h), 1)] if self.state is not None else []
+    def reads(self, backward: bool) -> list:
+        """What a kernel reads of the read's inputs (for the launch observers): the backward reads the table twice
+        and the state, or, with a saved r, the table once and r."""
+        h, saved = self.h, backward and self.saved_r is not None
+        reads = [(self.table, 1 + (backward and not saved))] if self.table is not None else []
+        reads += [(slot_view(self.saved_r, self.slot, h), 1)] if saved else []
+        reads += [(slot_view(self.state, self.slot, h), 1)] if self.state is not None and not saved else []
         return reads + ([(h, 1)] if self.add or self.base is not None else []) + (
             [(self.base, 1)] if self.base is not None else [])
 
@@ -365,8 +377,11 @@ def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
     h = read.h
     y = torch.empty_like(h, dtype=y_dtype)
     cfg = _receiver_config(read.M, h.shape[-1], backward=False)
-    launch(_receiver_fwd, cdiv(read.M, cfg["BLOCK_M"]), lambda: (read.reads(1), [y, read.lse[read.slot]]), h.device,
-           **read.kernel_args(), y_ptr=y, **cfg)
+    def io() -> tuple[list, list]:
+        saved = [slot_view(read.saved_r, read.slot, h)] if read.saved_r is not None else []
+        return read.reads(backward=False), [y, read.lse[read.slot]] + saved
+
+    launch(_receiver_fwd, cdiv(read.M, cfg["BLOCK_M"]), io, h.device, **read.kernel_args(), y_ptr=y, **cfg)
     return y
 
 
@@ -387,14 +402,15 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
 
     def io() -> tuple[list, list]:
         grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
-        reads = read.reads(2) + [(dy, 1), (read.lse[slot], 1)] + ([(g, 1) for g in grads] if out.accumulate else [])
+        reads = read.reads(backward=True) + [(dy, 1), (read.lse[slot], 1)]
+        reads += [(g, 1) for g in grads] if out.accumulate else []
         reloads = out.dsum is not None and table is not None   # dh stored, read back and summed with the slots
         reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if out.dsum is not None else []
         reads += [(dh, 1)] if reloads else []
         writes = grads + [out.du[slot], dweight, out.dgate[slot]]
         writes += ([dh] * (1 + reloads) if uses_h else [])
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.base is not None else []
-        return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.state is not None else [])
+        return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.static["HAS_STATE"] else [])
 
     launch(_receiver_bwd, programs, io, h.device, **read.kernel_args(),
            dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
