@@ -276,13 +276,6 @@ def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: fl
     return a @ go + c * u - c * z * rstd / n.numel() * n, c * n
 
 
-@functools.cache
-def _no_table(device: torch.device) -> Tensor:
-    """The table argument of a receiver with no sources of its own (HAS_TABLE False: never read, but the kernel
-    is compiled with an int64 table), made once per device."""
-    return torch.empty(1, dtype=torch.int64, device=device)
-
-
 @dataclass
 class Read:
     """One receiver's read, as both of its kernels take it. Shapes: h, base (B, T, d), M = B T rows; the
@@ -328,7 +321,7 @@ class Read:
                                X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
                                HAS_DIFF=self.base is not None, ADD=self.add, HAS_TABLE=table is not None,
                                R_SAVED=self.saved_r is not None)
-        return dict(self.static, table=_no_table(h.device) if self.table is None else self.table.addresses,
+        return dict(self.static, table=h if self.table is None else self.table.addresses,   # h: never read
                     state_ptr=h if self.state is None else self.state, lse_c_ptr=self.lse_c, h_ptr=h,
                     base_ptr=h if self.base is None else self.base, q_ptr=self.queries, g_ptr=self.norm_weights,
                     gate_ptr=weight if self.gates is None else self.gates, w_ptr=weight, lse_ptr=self.lse,
