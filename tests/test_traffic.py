@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.depth_route import depth_route
-from kernels.launch import observe_launches, skipped_launches
+from kernels.launch import SourceTable, observe_launches, skipped_launches
 from kernels.tools import host
 from kernels.tools.bound import lower_bound
 from kernels.tools.occupancy import LATENCY_S, MAX_EFFICIENCY, Occupancy, occupancy
@@ -47,6 +47,21 @@ def test_kernel_launches_count_the_tensors_they_move():
     programs = counter.launches[-1].grid
     assert counter.bytes[("backward", "kernel _route_bwd")] == (
         2 * 3 * 128 + 128 + 16 + 2 * 64 + 3 * 8 + 3 * 128 + programs * 16 * 4)
+
+
+def test_a_receiver_without_sources_of_its_own_moves_its_reads_and_writes_only():
+    """Delta Block's receivers read no table (the stream stands in for the table argument, never read): each
+    launch moves what it reads and writes, plus 8 bytes per address of the tables it does read."""
+    shape = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=2)
+    counter = count_step(ModelConfig(**shape, residual="delta_block", kernel="triton"), (1, 8))
+    size = lambda t: t.numel() * t.element_size()                        # noqa: E731
+    for launch, (moved, _) in zip(counter.launches, counter.kernels):
+        tables = [t for t, _ in launch.reads if isinstance(t, SourceTable)]
+        reads = sum(sum(map(size, t.tensors)) * n if isinstance(t, SourceTable) else size(t) * n
+                    for t, n in launch.reads)
+        assert moved == reads + sum(map(size, launch.writes)) + 8 * sum(len(t.tensors) for t in tables), launch
+    assert any(launch.kernel.fn.__name__ == "_receiver_fwd" and not any(isinstance(t, SourceTable) for t, _ in
+               launch.reads) for launch in counter.launches)
 
 
 def test_routing_bytes_are_the_step_minus_the_baseline():

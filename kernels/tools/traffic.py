@@ -100,7 +100,7 @@ class ByteCounter(TorchDispatchMode):
         self.launches.append(launch)
         reads = [(s, times) for t, times in launch.reads for s in (t.tensors if isinstance(t, SourceTable) else [t])]
         moved = sum(_distinct_bytes(t) * times for t, times in reads) + sum(map(_distinct_bytes, launch.writes))
-        moved += 8 * launch.args["table"].numel()
+        moved += sum(8 * len(t.tensors) for t, _ in launch.reads if isinstance(t, SourceTable))   # the addresses
         self.add(f"kernel {launch.kernel.fn.__name__}", moved)
         self.kernels.append((moved, occupancy(launch)))
         return True                               # meta tensors: nothing to launch
