@@ -431,12 +431,14 @@ class GroupedDepthState(DepthState):
             x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
         table = self.source_list.table(group.n_committed) if own else None
-        # With two or more sources of its own, a receiver's backward reads its forward's r (one row, in r_dtype)
-        # instead of the state and each of those sources again: r as it was mixed, rounded to r_dtype, so its
-        # D = go . r is that of the rounded r (the reference's r is rounded there too, before the mix)
-        saves_r = table is not None and len(table.tensors) >= 2
+        # A receiver whose backward would read the state and its own sources again keeps its forward's r (one row in
+        # r_dtype, written and read: 2 rows of r_dtype) where that moves fewer bytes: with fp32 r (the embedding's
+        # dtype under autocast) and bf16 sources from 4 sources of its own, with one dtype throughout from 2. r as
+        # it was mixed (rounded to r_dtype: exact where r_dtype is fp32), so its D = go . r is that of the mixed r
+        saves_r = table is not None and 2 * r_dtype.itemsize < group.state_dtype.itemsize + sum(
+            t.element_size() for t in table.tensors)
         if saves_r and group.saved_r is None:
-            group.saved_r = slots(len(group.routers), self.h, self.sources[0].dtype)
+            group.saved_r = slots(len(group.routers), self.h, r_dtype)
         spec = Receiver(group, receiver - group.first_receiver, table,
                         group.n_committed, owned, self.policy.null_source, add, receiver != len(self.router_list) - 1,
                         base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,

@@ -345,6 +345,20 @@ def test_receivers_share_phase_one_in_groups(residual):
         size = fine_group_size(24, TINY["d_model"])
         assert size > 1 and sizes[:-1] == [size] * (len(sizes) - 1) and 1 <= sizes[-1] <= size + 1
 
+def test_receivers_keep_their_read_out_where_it_moves_fewer_bytes():
+    """A receiver keeps its r for its backward where two rows of r cost less than the state and its own sources
+    read again: in fp32 with 2 sources of its own (test_model_with_kernels_matches_reference checks those
+    gradients); under autocast (fp32 r, bf16 sources) only from 4, which groups of 3 never have."""
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for autocast, expected in ((False, True), (True, False)):
+        model = Model(ModelConfig(**TINY, residual="delta", kernel="triton")).to(DEVICE)
+        saved = []
+        with observe_launches(lambda launch: saved.append(launch.args.get("R_SAVED", False)) and False), \
+                torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+            model(idx).sum().backward()
+        assert any(saved) == expected and not all(saved), (autocast, saved)
+
+
 def test_observer_sees_the_same_candidates_on_both_paths():
     idx = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     seen = {}
