@@ -129,10 +129,10 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
-    table sources'
-    gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and per-program
-    partial sums of dw (norm weight) at dw_ptr and of du and dgate into row `slot` of the group's buffers at
-    du_ptr (R, programs, BLOCK_D) and dgate_ptr (R, programs): the group's node sums them, once per group."""
+    table sources' gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and
+    per-program partial sums of dw (norm weight) at dw_ptr and of du and dgate into row `slot` of the group's
+    buffers at du_ptr (R, programs, BLOCK_D) and dgate_ptr (R, programs): the group's node sums them, once per
+    group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and the table."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)
