@@ -1,7 +1,7 @@
 """Grouped depth routing: each committed source read once per group of receivers, not once per receiver.
 
 A group is a run of consecutive receiving sublayers (a Delta Block / AttnRes block, or fine-grained Delta
-AttnRes's grouped_state.fine_group_size sublayers, 8 at 36 layers) that share the sources C committed before it
+AttnRes's groups.fine_group_size sublayers, 8 at 36 layers) that share the sources C committed before it
 began; each receiver l of the group also reads a few sources I_l of its own (the outputs committed since the
 group began, the partial block h - base, a null source). With z_i = rstd_i (s_i . u_l), Eq. 1 over C and I_l
 splits exactly:

@@ -19,38 +19,13 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.launch import DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, slab_of, slot_view, wave
-from kernels.tiles import accumulate_grad, folded_query, logit, read_table, softmax_step, source_grad, table_source
+from kernels.tiles import (accumulate_grad, add_slots, folded_query, logit, mix, read_table, softmax_step,
+                           source_grad, start_state, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
 # The NULL flag of both kernels: no null source, a zero one (value 0, logit 0), or the receiver's learned vector
 NULL_NONE, NULL_ZERO, NULL_LEARNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def _mix(h, r, gate, ADD: tl.constexpr, X_DTYPE: tl.constexpr):
-    """x = h + gate r (additive, Eq. 2; gate 1.0 without a gate: exactly h + r) or r (replacement), rounded to
-    the dtype the reference mixes in."""
-    if ADD:
-        x = h + gate * r
-    else:
-        x = r
-    return x.to(X_DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The online softmax's starting (max, normaliser, sum): phase 1's (lse_C, 1, r_C), or empty."""
-    if HAS_STATE:
-        m = tl.load(lse_c_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=0.0)
-        l = tl.full((BLOCK_M,), 1.0, tl.float32)
-        acc = tl.load(state_ptr + slot.to(tl.int64) * slab + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    return m, l, acc
 
 
 @triton.jit
@@ -82,8 +57,8 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     mask = row_ok[:, None] & (cols < d)[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)   # row `slot` of the group's (R, d)
-    m, l, acc = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
-                             BLOCK_D)
+    m, l, acc = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
+                            BLOCK_D)
     if HAS_TABLE:
         m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -100,20 +75,10 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     if R_SAVED:                           # for the backward, in place of the state and the table's second read
         tl.store(r_ptr + slot.to(tl.int64) * slab + offs, r.to(r_ptr.dtype.element_ty), mask=mask)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
-    x = _mix(h, r, gate, ADD, X_DTYPE)
+    x = mix(h, r, gate, ADD, X_DTYPE)
     xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _add_slots(dh, dsum_ptr, lo, hi, slab, offs, mask):
-    """dh plus slots lo..hi-1 of the buffer at dsum_ptr (the group's other receivers' -dL/d(partial))."""
-    slot_ptr = dsum_ptr + lo.to(tl.int64) * slab
-    for _ in range(lo, hi):
-        dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        slot_ptr += slab
-    return dh
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
@@ -159,8 +124,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         if R_SAVED:                       # the forward's r, as it was mixed (rounded to R_DTYPE)
             r = tl.load(r_ptr + slot.to(tl.int64) * slab + offs, mask=mask, other=0.0).to(tl.float32)
         else:                             # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(z_i - lse) s_i
-            m, _, r = _start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE,
-                                   BLOCK_M, BLOCK_D)
+            m, _, r = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE,
+                                  BLOCK_M, BLOCK_D)
             r = r * tl.exp(m - lse)[:, None]
             if HAS_TABLE:
                 for i in tl.range(0, n_a, num_stages=STAGES):
@@ -175,7 +140,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                 r += tl.exp(z_n - lse)[:, None] * n[None, :]
         r_mixed = r.to(R_DTYPE).to(tl.float32)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
-        x = _mix(h, r_mixed, gate, ADD, X_DTYPE)
+        x = mix(h, r_mixed, gate, ADD, X_DTYPE)
         rstd_x = tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)
         xn = x * rstd_x[:, None]
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -199,7 +164,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             tl.store(dbase_ptr + dbase_slot.to(tl.int64) * slab + offs, (-dp).to(dbase_ptr.dtype.element_ty),
                      mask=mask)
         if SUMS and not HAS_TABLE:        # no source loop follows: the group's slots join dh before its one store
-            dh = _add_slots(dh, dsum_ptr, dsum_lo, dsum_hi, slab, offs, mask)
+            dh = add_slots(dh, dsum_ptr, dsum_lo, dsum_hi, slab, offs, mask)
         if ADD or HAS_DIFF or SUMS:
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
         if HAS_STATE:                     # for phase 1's backward
@@ -218,8 +183,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                 accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
         if SUMS and HAS_TABLE:            # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
-            dh = _add_slots(tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32), dsum_ptr, dsum_lo, dsum_hi,
-                            slab, offs, mask)
+            dh = add_slots(tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32), dsum_ptr, dsum_lo, dsum_hi,
+                           slab, offs, mask)
             tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
     part = slot * tl.num_programs(0) + pid        # this receiver's row of the group's (R, programs) partials
     tl.store(du_ptr + part.to(tl.int64) * BLOCK_D + cols, du)
@@ -342,7 +307,7 @@ class Read:
 @dataclass
 class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
-    kernels/grouped_state.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
+    kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
     lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
     programs, BLOCK_D) and dgate (R, programs): the group's buffers of per-program partial sums (partials_shape),

@@ -1,7 +1,7 @@
-"""The @triton.jit helpers the routing kernels share (depth_route.py, group_read.py, receiver_read.py): a
-source's tile read through an address table, the folded query, logits, the online-softmax step, a table's
-sources folded into it, a source's gradient, and an in-place gradient accumulator. Tiles are (BLOCK_M, BLOCK_D)
-rows of sources, everything in fp32.
+"""The @triton.jit helpers of the routing kernels (depth_route.py, group_read.py, receiver_read.py): a source's
+tile read through an address table, the folded query, logits, the online-softmax step, a table's sources folded
+into it, a source's gradient, an in-place gradient accumulator; and the receivers' mix, softmax start state and
+sum of a group's partial-block slots. Tiles are (BLOCK_M, BLOCK_D) rows of sources, everything in fp32.
 """
 import triton
 import triton.language as tl
@@ -67,3 +67,39 @@ def accumulate_grad(ptr, ds, offs, mask, accumulate):
     """Write ds into a gradient accumulator (accumulate == 0), or add it to what is there."""
     ds += tl.load(ptr + offs, mask=mask & (accumulate != 0), other=0.0).to(tl.float32)
     tl.store(ptr + offs, ds.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def mix(h, r, gate, ADD: tl.constexpr, X_DTYPE: tl.constexpr):
+    """x = h + gate r (additive, Eq. 2; gate 1.0 without a gate: exactly h + r) or r (replacement), rounded to
+    the dtype the reference mixes in."""
+    if ADD:
+        x = h + gate * r
+    else:
+        x = r
+    return x.to(X_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's starting (max, normaliser, sum): phase 1's (lse_C, 1, r_C), or empty."""
+    if HAS_STATE:
+        m = tl.load(lse_c_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=0.0)
+        l = tl.full((BLOCK_M,), 1.0, tl.float32)
+        acc = tl.load(state_ptr + slot.to(tl.int64) * slab + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    return m, l, acc
+
+
+@triton.jit
+def add_slots(dh, dsum_ptr, lo, hi, slab, offs, mask):
+    """dh plus slots lo..hi-1 of the buffer at dsum_ptr (the group's other receivers' -dL/d(partial))."""
+    slot_ptr = dsum_ptr + lo.to(tl.int64) * slab
+    for _ in range(lo, hi):
+        dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        slot_ptr += slab
+    return dh

@@ -16,8 +16,7 @@ left, none starts once it is spent. The multi-GPU phases come after it, outside 
     tests              150 s  tests/test_kernels.py, test_memory.py, test_whole_run.py on the real compiler
     routing             60 s  kernels.tools.bench.bench_routing: routing time, bandwidth against a measured copy
     kernel_bandwidth    90 s  kernels.tools.bench.kernel_bandwidth: each kernel of one 1044M training step, alone
-    host                30 s  kernels.tools.bench.host_times: CPU time per routed read before its launch; and
-                              kernels.tools.host.measure: routing's host time per 1044M-depth training step
+    host                30 s  CPU time per routed read before its launch, and per 1044M-depth step (tools.host)
     model_<config>     100 s  kernels.tools.bench.bench_model for 1044m_baseline, _delta_block, _delta: tokens/s,
                               peak and allocated memory at step 5 and step 20
     multi_gpu_<mode>   300 s  train.py configs/1044m_delta_block.py under torchrun, ddp and fsdp, on random
@@ -301,7 +300,7 @@ def multi_gpu(mode: str, args: argparse.Namespace, save) -> dict:
 
 def run_worker(args: argparse.Namespace) -> None:
     """One phase, in its own process: its figures go to args.result, rewritten as they come."""
-    from kernels.tools import bench
+    from kernels.tools import bench, host
 
     def save(result: dict) -> None:
         write_json(args.result, result)
@@ -324,15 +323,11 @@ def run_worker(args: argparse.Namespace) -> None:
             result["configs"][config] = bench.kernel_bandwidth(config, result["copy_bandwidth"], args.layers)
             save(result)
     elif name == "host":
-        from kernels.tools import host
-        result = {"device": args.host_device, "us": bench.host_times(args.host_device, args.repeats)}
-        for n, t in result["us"].items():
-            print(f"N={n}: forward {t['forward_us']:.1f} us, backward {t['backward_us']:.1f} us ({args.host_device})")
-        save(result)
-        result["model_step"] = host.measure(repeats=min(args.repeats, 10))   # this CPU, launches skipped
-        for method, r in result["model_step"].items():
-            print(f"{method}: {1e3 * r['seconds']:.1f} ms per step, routing {1e3 * r['routing_seconds']:.1f} ms, "
-                  f"{r['launches']} launches (kernels.tools.host, budget {1e3 * host.BUDGET_S:.1f} ms)")
+        result = {"device": args.host_device, "us": bench.host_times(args.host_device, args.repeats),
+                  "model_step": host.measure(repeats=min(args.repeats, 10))}      # this CPU, launches skipped
+        print("; ".join(f"N={n}: forward {t['forward_us']:.1f} us, backward {t['backward_us']:.1f} us"
+                        for n, t in result["us"].items()) + f" ({args.host_device}); routing's host ms per 1044M-depth "
+              "step: " + ", ".join(f"{m} {1e3 * r['routing_seconds']:.1f}" for m, r in result["model_step"].items()))
     elif name.startswith("model_"):
         result = bench.bench_model(name[len("model_"):], args.steps, args.mark, args.layers, save)
     else:

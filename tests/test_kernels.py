@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 
 from kernels.depth_route import depth_route  # noqa: E402
 from kernels.launch import observe_launches  # noqa: E402
-from kernels.grouped_state import GroupedDepthState, fine_group_size  # noqa: E402
+from kernels.grouped_state import GroupedDepthState  # noqa: E402
+from kernels.groups import fine_group_size  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
 from router import DepthState, Router, make_policy  # noqa: E402
 from router import depth_route as reference  # noqa: E402

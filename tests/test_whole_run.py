@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 from infra import distributed  # noqa: E402
 from kernels import grouped_state  # noqa: E402
-from kernels.grouped_state import GradBank, Group  # noqa: E402
+from kernels.groups import GradBank, Group  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
