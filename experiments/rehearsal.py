@@ -9,8 +9,8 @@ and compares the per-step losses (a step made non-finite on purpose is skipped b
 it). Both paths compute in fp32; they differ only in summation order (the kernels accumulate in another
 order than the reference's torch ops), about 1e-7 of a value per op, and AdamW carries these differences
 from step to step, where they grow as training moves the weights. Over 20 steps of every case in every world
-the largest difference measured is 1.2e-6 (results/rehearsal/rehearsal.json, 2 to 3 float32 ulps of a loss
-near 5): TOLERANCE = 1e-5 leaves 8x that, and is 5x below what a kernel path that drops the learned null
+the largest difference measured is 9.5e-7 (results/rehearsal/rehearsal.json, 2 float32 ulps of a loss near
+4): TOLERANCE = 1e-5 leaves 10x that, and is 5x below what a kernel path that drops the learned null
 source's gradient shows within 6 steps (tests/test_rehearsal.py). Then resume: the kernel
 path's run is stopped at step RESUME_AT (its checkpoint is all that is kept) and continued with --resume;
 its losses from there on must equal the uninterrupted run's exactly.
