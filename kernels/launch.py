@@ -204,9 +204,8 @@ class SourceList:
 
 
 def source_table(sources: list[Tensor]) -> SourceTable:
-    """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table."""
-    if not sources:
-        raise ValueError("depth_route needs at least one source")
+    """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table (none:
+    SourceList.table says so)."""
     found = SourceList()
     for s in sources:
         found.append(s)

@@ -39,7 +39,7 @@ from infra import distributed
 from infra.config import TrainConfig, load_config
 from kernels.tools import traffic
 from kernels.depth_route import depth_route, route_backward, route_forward
-from kernels.launch import Launch, observe_launches, source_table
+from kernels.launch import Launch, observe_launches, skipped_launches, source_table
 from kernels.tools.traffic import ByteCounter
 from model import Model, ModelConfig
 from router import depth_route as reference
@@ -70,7 +70,7 @@ def host_times(device: str = "cpu", repeats: int = 200) -> dict[int, dict[str, f
     """Median microseconds of CPU per routed read at each N in HOST_N, with every launch skipped: forward =
     building the table + route_forward, backward = route_backward (as kernels.depth_route.DepthRoute runs them)."""
     results = {}
-    with observe_launches(lambda launch: True):
+    with skipped_launches():
         for n in HOST_N:
             sources, query, norm_weight, grad = routing_inputs(n, device, tokens=(1, 16))
             lse = torch.zeros(16, device=device)

@@ -7,7 +7,7 @@ It runs train.py's step (one micro-batch of 4 x 1024 tokens: the paper's 32 sequ
 on the meta device, where tensors have shapes and dtypes but no data: `model.Model` and AdamW are built
 there, then forward under autocast (the loss as train.py's), backward, clip_grad_norm_, optimizer.step() and
 zero_grad(set_to_none=True). Routing takes the kernel path (kernel="triton", as on a GPU) with every Triton
-launch skipped (kernels.launch.observe_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
+launch skipped (kernels.launch.skipped_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
 outputs: each distinct storage counts its bytes once (views and in-place results share their input's
 storage), from the op that made it until it dies (a weak reference to the storage says when). So parameters,
 gradients (autograd allocates them through the dispatcher, on the calling thread for meta tensors), AdamW's
@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from kernels.launch import observe_launches
+from kernels.launch import skipped_launches
 from kernels.tools.traffic import SHAPE_1044M, TOKENS_1044M
 from model import Model, ModelConfig, RMSNorm
 from router import METHODS
@@ -218,7 +218,7 @@ def project(cfg: ModelConfig, tokens: tuple[int, int] = TOKENS_1044M, steps: int
     gc.disable()                   # the collector running mid-step would make live bytes depend on when it ran
     gc.freeze()                    # and the objects from before (torch's, the caller's) need no scanning
     try:
-        with observe_launches(lambda launch: True), tracker:
+        with skipped_launches(), tracker:
             model, optimizer = build(cfg)
             records = []
             for _ in range(steps):
