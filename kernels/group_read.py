@@ -34,70 +34,91 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, wave
-from kernels.tiles import accumulate_grad, softmax_step, table_source
+from kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_split, wave
+from kernels.tiles import (row_accumulate_grad, row_cols, row_dot, row_load, row_offsets, row_softmax_step,
+                           row_store, row_zeros, table_row)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit
 def _receiver_logits(U, s, d, eps):
-    """Logits of one source row s (1, BLOCK_D) for receivers with folded queries U (R_BLOCK, BLOCK_D): z
-    (R_BLOCK,) and the source's rstd (1,)."""
-    rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
-    return tl.sum(U * s, axis=1) * rstd, rstd
+    """Logits of one source row s (split: (1, width) tiles) for receivers with folded queries U ((R_BLOCK,
+    width) tiles): z (R_BLOCK,) and the source's rstd (1,)."""
+    rstd = tl.rsqrt(row_dot(s, s) / d + eps)
+    return row_dot(U, s) * rstd, rstd
 
 
 @triton.jit
-def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, d):
-    """(R_BLOCK, BLOCK_D) fp32 folded queries u_r = query_r * norm_weight_r of receivers recv ((R, d) rows)."""
-    mask = recv_ok[:, None] & (cols < d)[None, :]
-    at = recv[:, None] * d + cols[None, :]
-    q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    return q * tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d):
+    """Folded queries u_r = query_r * norm_weight_r of receivers recv ((R, d) rows), in fp32: a split row of
+    (R_BLOCK, width) tiles."""
+    at = row_offsets(recv[:, None] * d, cols)
+    masks = ()
+    for c in tl.static_range(len(cols)):
+        masks = masks + (recv_ok[:, None] & own[c][None, :],)
+    q = row_load(q_ptr, at, masks)
+    g = row_load(g_ptr, at, masks)
+    U = ()
+    for c in tl.static_range(len(cols)):
+        U = U + (q[c] * g[c],)
+    return U
+
+
+@triton.jit
+def _row_masks(own):
+    """Each tile's (1, width) mask of a split row's own columns."""
+    masks = ()
+    for c in tl.static_range(len(own)):
+        masks = masks + (own[c][None, :],)
+    return masks
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
 def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, slab, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-               STAGES: tl.constexpr):
+               BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Phase 1 for receivers recv = r0 + [0, R_BLOCK) (those < n_recv) at token row program_id(0): r_C at
     state_ptr + recv slab, lse_C at lse_c_ptr + recv M. q_ptr, g_ptr: the group's (n_recv, d) queries and
-    norm weights."""
+    norm weights. A row is split (kernels/tiles.py): BLOCK_D lanes of head, BLOCK_T of tail."""
     row = tl.program_id(0)
     recv = r0 + tl.arange(0, R_BLOCK)
     recv_ok = recv < n_recv
-    cols = tl.arange(0, BLOCK_D)
-    U = _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, d)           # (R_BLOCK, BLOCK_D)
-    offs = row.to(tl.int64) * d + cols[None, :]                            # (1, BLOCK_D): one token row
-    mask = (cols < d)[None, :]
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    U = _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d)       # (R_BLOCK, width) per tile
+    offs = row_offsets(row.to(tl.int64) * d, cols)                         # (1, width): one token row
+    masks = _row_masks(own)
     m = tl.full((R_BLOCK,), float("-inf"), tl.float32)
     l = tl.zeros((R_BLOCK,), tl.float32)
-    acc = tl.zeros((R_BLOCK, BLOCK_D), tl.float32)                         # one running sum per receiver
+    acc = row_zeros(R_BLOCK, cols)                                         # one running sum per receiver
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, mask)
-        m, l, acc = softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
+        s = table_row(table, i, A_DTYPE, offs, masks)
+        m, l, acc = row_softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
     for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, mask)
-        m, l, acc = softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
-    smask = recv_ok[:, None] & mask
-    tl.store(state_ptr + recv[:, None].to(tl.int64) * slab + offs, (acc / l[:, None]).to(state_ptr.dtype.element_ty),
-             mask=smask)
+        s = table_row(table, i, B_DTYPE, offs, masks)
+        m, l, acc = row_softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
+    out = ()
+    smask = ()
+    for c in tl.static_range(len(cols)):
+        out = out + (acc[c] / l[:, None],)
+        smask = smask + (recv_ok[:, None] & masks[c],)
+    row_store(state_ptr, row_offsets(recv[:, None].to(tl.int64) * slab + row.to(tl.int64) * d, cols), out, smask)
     tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
 
 
 @triton.jit
-def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, eps,
+def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps,
                     H: tl.constexpr, GROUPS: tl.constexpr):
-    """One committed source row s (1, BLOCK_D), summed over receivers r0 + [0, GROUPS H) taken in GROUPS groups
-    of H: its gradient ds (1, BLOCK_D), and du with each receiver's term dz rstd s added. U and du are tuples
-    of the groups' (H, BLOCK_D) folded queries and du sums, D and lse of their (H,) per-row scalars. A group's
-    go rows (go_row + receiver slab) are read here for each source and used at once: U and du are all a pass
-    holds across the sources, which lets 8 receivers share one program's registers at d <= 2048 (their go as
-    well would not fit). The row's go comes from memory for the first source, from cache for the others. The
-    read sits in a branch (which also skips a group past the last receiver) so that the source loop's software
-    pipeline, which stages the loads of the loop body, does not keep STAGES copies of it in shared memory."""
-    rstd = tl.rsqrt(tl.sum(s * s, axis=1) / d + eps)
-    ds = tl.zeros_like(s)
+    """One committed source row s (split: (1, width) tiles), summed over receivers r0 + [0, GROUPS H) taken in
+    GROUPS groups of H: its gradient ds (split like s), and du with each receiver's term dz rstd s added. U and
+    du are tuples of the groups' folded queries and du sums (split rows of (H, width) tiles), D and lse of their
+    (H,) per-row scalars. A group's go rows (go_row + receiver slab) are read here for each source and used at
+    once: U and du are all a pass holds across the sources, which lets 8 receivers share one program's
+    registers at d <= 2048 (their go as well would not fit). The row's go comes from memory for the first
+    source, from cache for the others. The read sits in a branch (which also skips a group past the last
+    receiver) so that the source loop's software pipeline, which stages the loads of the loop body, does not
+    keep STAGES copies of it in shared memory."""
+    rstd = tl.rsqrt(row_dot(s, s) / d + eps)
+    ds = row_zeros(1, cols)
     shrink = tl.zeros_like(rstd)                                          # sum_r dz_r rstd z_r
     new_du = ()
     k = tl.arange(0, H)
@@ -105,45 +126,61 @@ def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, e
         first = r0 + g * H
         du_g = du[g]
         if first < n_recv:
-            go = tl.load(go_row + (first + k)[:, None].to(tl.int64) * slab + cols[None, :],
-                         mask=(first + k < n_recv)[:, None] & mask, other=0.0).to(tl.float32)
-            us, gs = tl.split(tl.sum(tl.join(U[g] * s, go * s), axis=1))   # both dot products, one reduction
+            go_masks = ()
+            for c in tl.static_range(len(cols)):
+                go_masks = go_masks + ((first + k < n_recv)[:, None] & masks[c],)
+            go = row_load(go_row, row_offsets((first + k)[:, None].to(tl.int64) * slab, cols), go_masks)
+            us = tl.zeros((H,), tl.float32)
+            gs = tl.zeros((H,), tl.float32)
+            for c in tl.static_range(len(cols)):                          # both dot products, one reduction
+                us_c, gs_c = tl.split(tl.sum(tl.join(U[g][c] * s[c], go[c] * s[c]), axis=1))
+                us += us_c
+                gs += gs_c
             z = us * rstd
             a = tl.exp(z - lse[g])                                        # 0 for masked receivers (lse = inf)
             dz_rstd = a * (gs - D[g]) * rstd
-            ds += tl.sum(a[:, None] * go + dz_rstd[:, None] * U[g], axis=0)[None, :]
+            new_ds = ()
+            new_du_g = ()
+            for c in tl.static_range(len(cols)):
+                new_ds = new_ds + (ds[c] + tl.sum(a[:, None] * go[c] + dz_rstd[:, None] * U[g][c], axis=0)[None, :],)
+                new_du_g = new_du_g + (du_g[c] + dz_rstd[:, None] * s[c],)
+            ds = new_ds
+            du_g = new_du_g
             shrink += tl.sum(dz_rstd * z, axis=0)
-            du_g += dz_rstd[:, None] * s
         new_du = new_du + (du_g,)
-    return ds - shrink[:, None] * rstd[:, None] / d * s, new_du
+    out = ()
+    for c in tl.static_range(len(cols)):
+        out = out + (ds[c] - shrink[:, None] * rstd[:, None] / d * s[c],)
+    return out, new_du
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
 def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, acc_a_ptr, acc_b_ptr,
                off_a, off_b, du_ptr, tiles, accumulate, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-               BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+               BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """The committed sources' gradients for receivers r0 + [0, R_BLOCK) (those < n_recv), in GROUPS groups of
     R_BLOCK / GROUPS: source i's summed over them goes to accumulator off_a + i of acc_a (a slot = slab
     elements) or off_b + i - n_a of acc_b. Each program takes `tiles` consecutive token rows and writes its
-    partial sum of every receiver's du (du_ptr row pid). D, lse: (n_recv, M) with fewer than 2^31 entries."""
+    partial sum of every receiver's du (du_ptr (programs, R_BLOCK, d), row pid). D, lse: (n_recv, M) with fewer
+    than 2^31 entries. A row is split as in _group_fwd."""
     pid = tl.program_id(0)
     H: tl.constexpr = R_BLOCK // GROUPS
     k = tl.arange(0, H)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (cols < d)[None, :]
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    masks = _row_masks(own)
     U = ()
     du = ()
     for g in tl.static_range(GROUPS):
         recv = r0 + g * H + k
-        U = U + (_receiver_queries(q_ptr, g_ptr, recv, recv < n_recv, cols, d),)
-        du = du + (tl.zeros((H, BLOCK_D), tl.float32),)
+        U = U + (_receiver_queries(q_ptr, g_ptr, recv, recv < n_recv, cols, own, d),)
+        du = du + (row_zeros(H, cols),)
     # disable_licm: what the source loops do once per row (their pipelines' first loads, their bounds) would
     # otherwise be hoisted out of the row loop and held in registers through both source loops
     for t in tl.range(tiles, disable_licm=True):
         row = pid * tiles + t
         if row < M:
-            offs = row.to(tl.int64) * d + cols[None, :]
+            offs = row_offsets(row.to(tl.int64) * d, cols)
             go_row = go_ptr + row.to(tl.int64) * d
             D = ()
             lse = ()
@@ -152,16 +189,20 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
                 D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
                 lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
             for i in tl.range(0, n_a, num_stages=STAGES):
-                s = table_source(table, i, A_DTYPE, offs, mask)
-                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, eps, H, GROUPS)
-                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
+                s = table_row(table, i, A_DTYPE, offs, masks)
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps, H,
+                                         GROUPS)
+                row_accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = table_source(table, i, B_DTYPE, offs, mask)
-                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, mask, d, eps, H, GROUPS)
-                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
-    out = du_ptr + pid.to(tl.int64) * R_BLOCK * BLOCK_D + k[:, None] * BLOCK_D + cols[None, :]
+                s = table_row(table, i, B_DTYPE, offs, masks)
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps, H,
+                                         GROUPS)
+                row_accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
+                                    accumulate)
+    out = row_offsets(pid.to(tl.int64) * R_BLOCK * d + k[:, None] * d, cols)
     for g in tl.static_range(GROUPS):
-        tl.store(out + g * H * BLOCK_D, du[g])
+        for c in tl.static_range(len(cols)):
+            tl.store(du_ptr + g * H * d + out[c], du[g][c], mask=masks[c])
 
 
 # ------------------------------------------------------------------------------------------ launching
@@ -183,16 +224,22 @@ def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
     (kernels/tools/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
     widths (checked by kernels/tools/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
     4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces). element_size: the
-    bytes of the table's sources."""
-    block_d = triton.next_power_of_2(d)
-    if interpreting():
-        return dict(R_BLOCK=16, BLOCK_D=block_d, STAGES=1, num_warps=4, **(dict(GROUPS=4) if backward else {}))
+    bytes of the table's sources. A row is split (kernels.launch.row_split) with a tail of at least two
+    lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes; the
+    forward runs such rows on 8 warps (on 16 its tail would need 1024 lanes, no narrower than one tile)."""
+    block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
+    if interpreting():                        # (a tail of a quarter tile, so that the tests see one overlap)
+        head, tail = row_split(d, block_d // 4)
+        return dict(R_BLOCK=16, BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4,
+                    **(dict(GROUPS=4) if backward else {}))
+    head, tail = row_split(d, 2 * 32 * 8)
     if backward:
         stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
-        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, BLOCK_D=block_d, STAGES=stages,
+        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, BLOCK_D=head, BLOCK_T=tail, STAGES=stages,
                     num_warps=8, maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
-    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=block_d, STAGES=8 if block_d > 1024 else 6,
-                num_warps=16, maxnreg=register_budget(16, PROGRAMS_PER_SM["_group_fwd"]))
+    warps = 8 if tail else 16
+    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=head, BLOCK_T=tail, STAGES=8 if block_d > 1024 else 6,
+                num_warps=warps, maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd"]))
 
 
 def receivers_per_pass(d: int) -> int:
@@ -229,7 +276,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     cfg = _group_config(d, backward=True, element_size=table.tensors[-1].element_size())
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)
-    du = torch.empty(cdiv(n_recv, block), programs, block, cfg["BLOCK_D"], dtype=torch.float32, device=first.device)
+    du = torch.empty(cdiv(n_recv, block), programs, block, d, dtype=torch.float32, device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
     n_a, n_b = table.n_a, len(table.tensors) - table.n_a
 
@@ -244,4 +291,4 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv, go_ptr=go, D_ptr=D, lse_ptr=lse,
                slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, du_ptr=du[c],
                tiles=tiles, M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0), **table.dtype_args(), **cfg)
-    return du.sum(1).flatten(0, 1)[:n_recv, :d]
+    return du.sum(1).flatten(0, 1)[:n_recv]

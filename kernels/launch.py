@@ -219,6 +219,22 @@ def register_budget(num_warps: int, programs_per_sm: int) -> int:
     return min(255, 65536 // (programs_per_sm * 32 * num_warps))
 
 
+@functools.cache   # a pure function of its arguments, asked at every launch
+def row_split(d: int, min_tail: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_T): a row of d lanes as one tile of next_pow2(d) lanes (BLOCK_T = 0), or, where d is not
+    a power of two, as a head tile of the largest power of two below d and a tail tile over the row's last
+    BLOCK_T = max(next_pow2(d - BLOCK_D), min_tail) columns, the ones the head holds masked off in it (a
+    tail narrower than min_tail lanes would be moved in transfers narrower than 32 bits, which the copy
+    engine's cp.async cannot stage). Split only where the two tiles are narrower than the one: d = 1280 is
+    1024 + 512 lanes (16.7 % masked, one tile 37.5 %); 768 with a 512-lane tail stays one 1024-lane tile."""
+    whole = triton.next_power_of_2(d)
+    if whole == d:
+        return d, 0
+    head = whole // 2
+    tail = max(triton.next_power_of_2(d - head), min_tail)
+    return (head, tail) if head + tail < whole else (whole, 0)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive integers (triton.cdiv costs microseconds per call on the host path)."""
     return -(-a // b)

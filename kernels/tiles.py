@@ -2,6 +2,10 @@
 tile read through an address table, the folded query, logits, the online-softmax step, a table's sources folded
 into it, a source's gradient, an in-place gradient accumulator; and the receivers' mix, softmax start state and
 sum of a group's partial-block slots. Tiles are (BLOCK_M, BLOCK_D) rows of sources, everything in fp32.
+
+Phase 1's kernels hold a row as a split row (kernels.launch.row_split): a tuple of tiles, the head (columns
+[0, BLOCK_D)) and, where d is not a power of two, a tail (the row's last BLOCK_T columns, those the head holds
+masked off), so that a row of 1280 lanes is 1024 + 512 lanes, not 2048; the row_* helpers act on such tuples.
 """
 import triton
 import triton.language as tl
@@ -103,3 +107,86 @@ def add_slots(dh, dsum_ptr, lo, hi, slab, offs, mask):
         dh += tl.load(slot_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         slot_ptr += slab
     return dh
+
+
+# ------------------------------------------------------------------------------------------- split rows
+
+@triton.jit
+def row_cols(d, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A split row's columns, (head,) or (head, tail), and each tile's mask of the columns it owns."""
+    head = tl.arange(0, BLOCK_D)
+    cols = (head,)
+    own = (head < d,)
+    if BLOCK_T > 0:
+        tail = d - BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = cols + (tail,)
+        own = own + (tail >= BLOCK_D,)
+    return cols, own
+
+
+@triton.jit
+def row_offsets(start, cols):
+    """start (int64 scalar, or (K, 1)) + each tile's columns: offsets of K rows' tiles, (K, width) each."""
+    offs = ()
+    for c in tl.static_range(len(cols)):
+        offs = offs + (start + cols[c][None, :],)
+    return offs
+
+
+@triton.jit
+def row_zeros(rows: tl.constexpr, cols):
+    """A split row of `rows` rows of zeros, (rows, width) per tile, fp32."""
+    out = ()
+    for c in tl.static_range(len(cols)):
+        out = out + (tl.zeros((rows, cols[c].shape[0]), tl.float32),)
+    return out
+
+
+@triton.jit
+def row_load(ptr, offs, masks, other: tl.constexpr = 0.0):
+    """The split row at ptr + offs (masks: each tile's, broadcastable to it), in fp32."""
+    out = ()
+    for c in tl.static_range(len(offs)):
+        out = out + (tl.load(ptr + offs[c], mask=masks[c], other=other).to(tl.float32),)
+    return out
+
+
+@triton.jit
+def row_store(ptr, offs, x, masks):
+    for c in tl.static_range(len(offs)):
+        tl.store(ptr + offs[c], x[c].to(ptr.dtype.element_ty), mask=masks[c])
+
+
+@triton.jit
+def table_row(table, i, DTYPE: tl.constexpr, offs, masks):
+    """Source i of the address table as a split row, fp32."""
+    ptr = tl.multiple_of(tl.load(table + i).to(tl.pointer_type(DTYPE)), 16)   # aligned by the launcher
+    return row_load(ptr, offs, masks)
+
+
+@triton.jit
+def row_dot(x, y):
+    """sum over columns of x * y, per row: (K,) for split rows of K rows (or broadcast against one row)."""
+    out = tl.sum(x[0] * y[0], axis=1)
+    for c in tl.static_range(1, len(x)):
+        out += tl.sum(x[c] * y[c], axis=1)
+    return out
+
+
+@triton.jit
+def row_softmax_step(m, l, acc, s, z):
+    """softmax_step on split rows: fold source s (logits z) into (m, l, acc)."""
+    m_new = tl.maximum(m, z)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(z - m_new)
+    out = ()
+    for c in tl.static_range(len(acc)):
+        out = out + (acc[c] * alpha[:, None] + p[:, None] * s[c],)
+    return m_new, l * alpha + p, out
+
+
+@triton.jit
+def row_accumulate_grad(ptr, ds, offs, masks, accumulate):
+    """accumulate_grad on a split row."""
+    for c in tl.static_range(len(offs)):
+        accumulate_grad(ptr, ds[c], offs[c], masks[c], accumulate)

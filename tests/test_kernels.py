@@ -161,12 +161,12 @@ STATES = [("delta", {}, 3, {}), ("delta", {"null_source": True}, 5, {"gate": Tru
           ("attnres", {"n_blocks": 3, "null_source": True}, None, {})]
 
 
-def run_state(cls, residual, options, group_size, router_options, scale):
-    """A depth state driven through 4 layers of stand-in sublayers v = tanh(y W_l) (B = 2, T = 7, d = 96):
+def run_state(cls, residual, options, group_size, router_options, scale, d=96):
+    """A depth state driven through 4 layers of stand-in sublayers v = tanh(y W_l) (B = 2, T = 7, width d):
     every sublayer input y_l and the gradients of a loss over them, of the embedding, the maps, the routers
     and the pre-norm weights."""
     g = torch.Generator().manual_seed(3)
-    n_layers, d = 4, 96
+    n_layers = 4
     policy = make_policy(residual, n_layers, **options)
     routers = torch.nn.ModuleList(Router(d, **{"gate": False, **router_options})
                                   for _ in range(policy.n_receivers(2 * n_layers)))
@@ -220,9 +220,21 @@ def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, n
     assert_grouped_matches_reference(("delta", {"null_source": True}, 7, {"gate": True}), 0.3)
 
 
-def assert_grouped_matches_reference(case, scale_of_logits):
-    got_ys, got_grads = run_state(GroupedDepthState, *case, scale_of_logits)
-    want_ys, want_grads = run_state(DepthState, *case, scale_of_logits)
+@pytest.mark.parametrize("d", [80, 64, 96])
+def test_phase_one_on_split_rows(d, nan_empty):
+    """Phase 1 holds a row as a head tile and a tail tile (kernels.launch.row_split): at d = 80 under the
+    interpreter, 64 lanes + a 32-lane tail over columns 48..79 whose first 16 (the head's) are masked off; at
+    96 an exact 64 + 32; at 64 one tile. Every input and gradient as the reference's."""
+    from kernels import group_read
+    from kernels.launch import row_split
+    assert group_read._group_config(d, backward=True)["BLOCK_T"] == {80: 32, 64: 0, 96: 32}[d]
+    assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0) and row_split(2048, 512) == (2048, 0)
+    assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)
+
+
+def assert_grouped_matches_reference(case, scale_of_logits, d=96):
+    got_ys, got_grads = run_state(GroupedDepthState, *case, scale_of_logits, d)
+    want_ys, want_grads = run_state(DepthState, *case, scale_of_logits, d)
     # With logits ~300 an fp32 logit carries an absolute rounding error ~300 times larger, which the two paths
     # commit in different orders: the inputs agree to 1e-4 there (1e-5 otherwise).
     mild = scale_of_logits == 0.3

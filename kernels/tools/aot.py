@@ -168,7 +168,10 @@ def check(c: Compiled) -> list[str]:
     - at most two global accesses narrower than 32 bits (scalar parameters, such as a bf16 gate): a 16-bit
       source read element by element has dozens;
     - tiles move in 128-bit transfers: at most 16 transfers of 32 bits (per-row scalars: lse, D) and at least
-      one of 128 bits (64-bit transfers are the address table's entries and pairs of per-row scalars)."""
+      one of 128 bits (64-bit transfers are the address table's entries and pairs of per-row scalars); but a
+      split row's tail (kernels.launch.row_split) of 16-bit values moves in 32-bit transfers by design: two
+      lanes per thread, a warp's transfer one whole 128-byte line, so a kernel with one over 16-bit sources
+      is not held to the 16."""
     problems = []
     programs = programs_per_sm(c.name)
     if c.spill_bytes:
@@ -182,7 +185,8 @@ def check(c: Compiled) -> list[str]:
     narrow = {bits: n for bits, n in c.accesses.items() if bits < 32}
     if sum(narrow.values()) > 2:
         problems.append(f"global accesses narrower than 32 bits: {narrow}")
-    if c.accesses.get(32, 0) > 16:
+    tail_of_16_bit = re.search(r"BLOCK_T=[1-9]", c.name) and re.search(r"B_DTYPE=(bf16|fp16)", c.name)
+    if c.accesses.get(32, 0) > 16 and not tail_of_16_bit:
         problems.append(f"{c.accesses[32]} 32-bit global accesses: a tile is read element by element")
     if not c.accesses.get(128):
         problems.append("no 128-bit global transfer")

@@ -13,7 +13,8 @@ x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB
   where the row loop itself is pipelined (a receiver's backward with no sources of its own: the next rows'
   inputs load while one is reduced), plus STAGES rows of the sources the address table streams (the software
   pipeline's depth), with their gradient accumulators when the loop adds into them;
-- masked lanes: a row is one tile of BLOCK_D = next_pow2(d) lanes, of which 1 - d / BLOCK_D do nothing.
+- masked lanes: a row is one tile of BLOCK_D = next_pow2(d) lanes, or a split row of BLOCK_D + BLOCK_T lanes
+  (kernels.launch.row_split: phase 1's kernels), of which 1 - d / lanes do nothing.
 
 The bandwidth model (kernels/tools/traffic.py uses it): a kernel reaches MAX_EFFICIENCY of the peak bandwidth if
 its SMs keep at least LATENCY x peak / SMs bytes in flight, and proportionally less below that.
@@ -68,7 +69,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
     """What one launch keeps in flight (the module docstring's model). full_grid: as if the grid filled every
     SM (a check of the launch settings, whatever the tokens); programs: per SM, if not the module's design."""
     name, args = launch.kernel.fn.__name__, launch.args
-    M, d, block_d = args["M"], args["d"], args["BLOCK_D"]
+    M, d, lanes = args["M"], args["d"], args["BLOCK_D"] + args.get("BLOCK_T", 0)   # a split row: head + tail
     programs = programs or PROGRAMS_PER_SM[name]
     programs = max(1, programs if full_grid else min(programs, triton.cdiv(launch.grid, sms)))
     tables = [t for t, _ in launch.reads if isinstance(t, SourceTable)]
@@ -79,4 +80,4 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
               if not isinstance(t, SourceTable) and not any(t is w for w in launch.writes))   # their sources
     rows = 1 if name in ONE_ROW else args["BLOCK_M"]
     in_flight = programs * rows * (args.get("ROW_STAGES", 1) * row + args["STAGES"] * streamed)
-    return Occupancy(name, d, programs, rows, int(in_flight), 1 - d / block_d)
+    return Occupancy(name, d, programs, rows, int(in_flight), 1 - d / lanes)
