@@ -30,70 +30,72 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, aligned, cdiv, interpreting, launch, register_budget, source_table
-from kernels.tiles import folded_query, logit, read_table, source_grad, table_source
+from kernels.launch import (SourceTable, aligned, cdiv, interpreting, launch, min_tail, register_budget, row_split,
+                            source_table)
+from kernels.tiles import (folded_query, logit, read_table, row_cols, row_colsum, row_div, row_dot, row_load,
+                           row_masks, row_offsets, row_own, row_scale, row_store, row_zeros, source_grad,
+                           table_source)
 
 # -------------------------------------------------------------------------------------------- kernels
 
 @triton.jit(do_not_specialize=["n_a", "n_b"])   # one compiled kernel for any number of sources
 def _route_fwd(table, n_a, n_b, q_ptr, g_ptr, out_ptr, lse_ptr, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               STAGES: tl.constexpr):
+               BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """table: n_a addresses of A_DTYPE sources, then n_b of B_DTYPE; q, g: the query and norm weight.
-    Writes r (M, d) and lse (M,)."""
+    Writes r (M, d) and lse (M,). Rows are split rows (kernels/tiles.py) of BLOCK_D + BLOCK_T lanes."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < d)[None, :]
-    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]                  # (BLOCK_M, BLOCK_D)
-    u = folded_query(q_ptr, g_ptr, cols, d)                                # (BLOCK_D,) fp32
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    masks = row_masks(row_ok, own)
+    offs = row_offsets(rows.to(tl.int64)[:, None] * d, cols)              # (BLOCK_M, width) per tile
+    u = folded_query(q_ptr, g_ptr, cols, own)                              # one row, fp32
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)                      # running max of the logits
     l = tl.zeros((BLOCK_M,), tl.float32)                                    # running sum of exp(z - m)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)                          # running sum of exp(z - m) s
-    m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
-    out = acc / l[:, None]
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    acc = row_zeros(BLOCK_M, cols)                                          # running sum of exp(z - m) s
+    m, l, acc = read_table(table, n_a, n_b, offs, masks, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
+    row_store(out_ptr, offs, row_div(acc, l), masks)
     tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b"])  # slab is a multiple of 16 elements: aligned gradient stores
 def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, q_ptr, g_ptr, go_ptr, lse_ptr, du_ptr, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               STAGES: tl.constexpr):
+               BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """table: the source addresses as in the forward. Writes the gradient of table entry i < n_a at
     grad_a_ptr + i slab and of entry n_a + j at grad_b_ptr + j slab, and this program's partial sum of dL/du
-    (row program_id of du_ptr)."""
+    (row program_id of du_ptr, (programs, d))."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < d)[None, :]
-    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    masks = row_masks(row_ok, own)
+    offs = row_offsets(rows.to(tl.int64)[:, None] * d, cols)
     n = n_a + n_b
-    u = folded_query(q_ptr, g_ptr, cols, d)
-    go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)       # (BLOCK_M, BLOCK_D) dL/dr
+    u = folded_query(q_ptr, g_ptr, cols, own)
+    go = row_load(go_ptr, offs, masks)                                     # (BLOCK_M, width) tiles of dL/dr
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term
     D = tl.zeros((BLOCK_M,), tl.float32)
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, mask)
-        D += tl.exp(logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+        s = table_source(table, i, A_DTYPE, offs, masks)
+        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
     for i in tl.range(n_a, n, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, mask)
-        D += tl.exp(logit(s, u, d, eps)[0] - lse) * tl.sum(go * s, axis=1)
+        s = table_source(table, i, B_DTYPE, offs, masks)
+        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
     # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of dz rstd s
-    du = tl.zeros((BLOCK_D,), tl.float32)
+    du = row_zeros(1, cols)
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, mask)
+        s = table_source(table, i, A_DTYPE, offs, masks)
         ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
-        du += tl.sum(dz_rstd[:, None] * s, axis=0)
-        tl.store(grad_a_ptr + i * slab + offs, ds.to(A_DTYPE), mask=mask)
+        du = row_colsum(du, row_scale(s, dz_rstd))
+        row_store(grad_a_ptr + i * slab, offs, ds, masks)
     for i in tl.range(n_a, n, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, mask)
+        s = table_source(table, i, B_DTYPE, offs, masks)
         ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
-        du += tl.sum(dz_rstd[:, None] * s, axis=0)
-        tl.store(grad_b_ptr + (i - n_a) * slab + offs, ds.to(B_DTYPE), mask=mask)
-    tl.store(du_ptr + pid * BLOCK_D + cols, du)                            # one partial sum per program
+        du = row_colsum(du, row_scale(s, dz_rstd))
+        row_store(grad_b_ptr + (i - n_a) * slab, offs, ds, masks)
+    row_store(du_ptr, row_offsets(pid.to(tl.int64) * d, cols), du, row_own(own))   # one partial sum per program
 
 
 # ------------------------------------------------------------------------------------------ launching
@@ -109,18 +111,21 @@ PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/tools/aot.
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def _config(M: int, d: int, backward: bool = False) -> dict:
-    """Tile and launch shape. BLOCK_D covers a whole row (the norm needs it). On a GPU, rows per program and
-    warps are chosen per width so that each thread holds 16 fp32 values of a tile (8 at d > 2048, where the
-    row alone is that many), and the source loop keeps the next tiles in flight: two more in the forward, one
-    in the backward, which holds more tiles per source (checked: no spills at d = 768 .. 4096, kernels/tools/aot.py).
+    """Tile and launch shape. A tile covers whole rows (the norm needs them), split where d is not a power of
+    two (kernels.launch.row_split). On a GPU, rows per program and warps are chosen per width so that each
+    thread holds 16 fp32 values of a tile (8 at d > 2048, where the row alone is that many), and the source
+    loop keeps the next tiles in flight: two more in the forward, one in the backward, which holds more tiles
+    per source (checked: no spills at d = 768 .. 4096, kernels/tools/aot.py).
     The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
     programs are faster."""
-    block_d = triton.next_power_of_2(d)
-    if interpreting():
-        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
+    block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
+    if interpreting():                        # (a tail of a quarter tile, so that the tests see one overlap)
+        head, tail = row_split(d, block_d // 4)
+        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4)
     warps = 4 if block_d <= 1024 else 8
     block_m = max(1, min(16, 16 * 32 * warps // block_d))
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=2 if backward else 3, num_warps=warps,
+    head, tail = row_split(d, min_tail(warps))
+    return dict(BLOCK_M=block_m, BLOCK_D=head, BLOCK_T=tail, STAGES=2 if backward else 3, num_warps=warps,
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM["_route_bwd" if backward else "_route_fwd"]))
 
 
@@ -163,12 +168,12 @@ def route_backward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: 
     go = aligned(grad_out)
     cfg = _config(M, d, backward=True)
     grid = cdiv(M, cfg["BLOCK_M"])
-    du = torch.empty(grid, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
+    du = torch.empty(grid, d, dtype=torch.float32, device=dev)
     reads = [(table, 2), (go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
     launch(_route_bwd, grid, lambda: (reads, grads + grads_b + [du]), dev, table=table.addresses, n_a=n_a,
            n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b, slab=slab, q_ptr=query,
            g_ptr=norm_weight, go_ptr=go, lse_ptr=lse, du_ptr=du, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
-    return table.in_caller_order(grads + grads_b), du.sum(0)[:d]
+    return table.in_caller_order(grads + grads_b), du.sum(0)
 
 
 # ---------------------------------------------------------------------------------------- autograd + public

@@ -34,43 +34,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_split, wave
-from kernels.tiles import (row_accumulate_grad, row_cols, row_dot, row_load, row_offsets, row_softmax_step,
-                           row_store, row_zeros, table_row)
+from kernels.launch import SourceTable, cdiv, interpreting, launch, min_tail, register_budget, row_split, wave
+from kernels.tiles import (accumulate_grad, logit, row_cols, row_div, row_dot, row_load, row_masks, row_mul,
+                           row_offsets, row_own, row_store, row_zeros, softmax_step, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit
-def _receiver_logits(U, s, d, eps):
-    """Logits of one source row s (split: (1, width) tiles) for receivers with folded queries U ((R_BLOCK,
-    width) tiles): z (R_BLOCK,) and the source's rstd (1,)."""
-    rstd = tl.rsqrt(row_dot(s, s) / d + eps)
-    return row_dot(U, s) * rstd, rstd
-
-
-@triton.jit
 def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d):
-    """Folded queries u_r = query_r * norm_weight_r of receivers recv ((R, d) rows), in fp32: a split row of
-    (R_BLOCK, width) tiles."""
+    """Folded queries u_r = query_r * norm_weight_r of receivers recv ((R, d) rows), in fp32: (R_BLOCK, width)
+    tiles."""
     at = row_offsets(recv[:, None] * d, cols)
-    masks = ()
-    for c in tl.static_range(len(cols)):
-        masks = masks + (recv_ok[:, None] & own[c][None, :],)
-    q = row_load(q_ptr, at, masks)
-    g = row_load(g_ptr, at, masks)
-    U = ()
-    for c in tl.static_range(len(cols)):
-        U = U + (q[c] * g[c],)
-    return U
-
-
-@triton.jit
-def _row_masks(own):
-    """Each tile's (1, width) mask of a split row's own columns."""
-    masks = ()
-    for c in tl.static_range(len(own)):
-        masks = masks + (own[c][None, :],)
-    return masks
+    masks = row_masks(recv_ok, own)
+    return row_mul(row_load(q_ptr, at, masks), row_load(g_ptr, at, masks))
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
@@ -86,22 +62,18 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     U = _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d)       # (R_BLOCK, width) per tile
     offs = row_offsets(row.to(tl.int64) * d, cols)                         # (1, width): one token row
-    masks = _row_masks(own)
+    masks = row_own(own)
     m = tl.full((R_BLOCK,), float("-inf"), tl.float32)
     l = tl.zeros((R_BLOCK,), tl.float32)
     acc = row_zeros(R_BLOCK, cols)                                         # one running sum per receiver
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_row(table, i, A_DTYPE, offs, masks)
-        m, l, acc = row_softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
+        s = table_source(table, i, A_DTYPE, offs, masks)
+        m, l, acc = softmax_step(m, l, acc, s, logit(s, U, d, eps)[0])
     for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = table_row(table, i, B_DTYPE, offs, masks)
-        m, l, acc = row_softmax_step(m, l, acc, s, _receiver_logits(U, s, d, eps)[0])
-    out = ()
-    smask = ()
-    for c in tl.static_range(len(cols)):
-        out = out + (acc[c] / l[:, None],)
-        smask = smask + (recv_ok[:, None] & masks[c],)
-    row_store(state_ptr, row_offsets(recv[:, None].to(tl.int64) * slab + row.to(tl.int64) * d, cols), out, smask)
+        s = table_source(table, i, B_DTYPE, offs, masks)
+        m, l, acc = softmax_step(m, l, acc, s, logit(s, U, d, eps)[0])
+    row_store(state_ptr, row_offsets(recv[:, None].to(tl.int64) * slab + row.to(tl.int64) * d, cols), row_div(acc, l),
+              row_masks(recv_ok, own))
     tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
 
 
@@ -168,7 +140,7 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
     H: tl.constexpr = R_BLOCK // GROUPS
     k = tl.arange(0, H)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
-    masks = _row_masks(own)
+    masks = row_own(own)
     U = ()
     du = ()
     for g in tl.static_range(GROUPS):
@@ -189,15 +161,15 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
                 D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
                 lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
             for i in tl.range(0, n_a, num_stages=STAGES):
-                s = table_row(table, i, A_DTYPE, offs, masks)
+                s = table_source(table, i, A_DTYPE, offs, masks)
                 ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps, H,
                                          GROUPS)
-                row_accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = table_row(table, i, B_DTYPE, offs, masks)
+                s = table_source(table, i, B_DTYPE, offs, masks)
                 ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps, H,
                                          GROUPS)
-                row_accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
                                     accumulate)
     out = row_offsets(pid.to(tl.int64) * R_BLOCK * d + k[:, None] * d, cols)
     for g in tl.static_range(GROUPS):
@@ -232,7 +204,7 @@ def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
         head, tail = row_split(d, block_d // 4)
         return dict(R_BLOCK=16, BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4,
                     **(dict(GROUPS=4) if backward else {}))
-    head, tail = row_split(d, 2 * 32 * 8)
+    head, tail = row_split(d, min_tail(8))
     if backward:
         stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
         return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, BLOCK_D=head, BLOCK_T=tail, STAGES=stages,

@@ -85,7 +85,7 @@ class GroupRead(torch.autograd.Function):
         group.backward_buffers(like)
         du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
                             bank.pointers(group.table, 0), accumulate=not group.last)
-        du_own, dgate = group.receivers_du(like.shape[-1])
+        du_own, dgate = group.receivers_du()
         du = du + du_own                  # the committed sources' part (phase 1) + the receivers' own
         dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
         params = []

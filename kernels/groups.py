@@ -119,7 +119,7 @@ class Group:
     dbase: Tensor | None = None       # (R, slab) -dL/d(partial) of receivers whose base is `base`
     dbase_slots: list[int] = field(default_factory=list)
     dbase_summed: bool = False        # the group's first receiver (whose h~ is `base`) added them to its dh
-    du: Tensor | None = None          # (R, programs, BLOCK_D) the receivers' per-program partial sums of du
+    du: Tensor | None = None          # (R, programs, d) the receivers' per-program partial sums of du
     dgate: Tensor | None = None       # (R, programs) and of dgate
     written: list[int] = field(default_factory=list)   # the slots whose backward ran (wrote go, D, du, dgate)
 
@@ -130,8 +130,8 @@ class Group:
             self.D = torch.empty_like(self.lse)
             if self.dbase_slots:
                 self.dbase = slots(n, like, self.state_dtype)
-            programs, block_d = partials_shape(like.numel() // like.shape[-1], like.shape[-1], like.device)
-            self.du = torch.empty(n, programs, block_d, dtype=torch.float32, device=like.device)
+            programs, width = partials_shape(like.numel() // like.shape[-1], like.shape[-1], like.device)
+            self.du = torch.empty(n, programs, width, dtype=torch.float32, device=like.device)
             self.dgate = torch.empty(n, programs, dtype=torch.float32, device=like.device)
 
     # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its
@@ -154,13 +154,13 @@ class Group:
         self.written.append(spec.slot)
         return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate, dsum)
 
-    def receivers_du(self, d: int) -> tuple[Tensor, Tensor]:
+    def receivers_du(self) -> tuple[Tensor, Tensor]:
         """The receivers' own parts of du (R, d) and dgate (R,), summed over their programs (zero for a receiver
         whose backward did not run: its output was not used)."""
         if len(self.written) < len(self.routers):
             missing = [i for i in range(len(self.routers)) if i not in self.written]
             self.du[missing], self.dgate[missing] = 0.0, 0.0
-        return self.du.sum(1)[:, :d], self.dgate.sum(1)
+        return self.du.sum(1), self.dgate.sum(1)
 
     def base_grad(self, like: Tensor) -> Tensor | None:
         """The group base's gradient from its receivers' partials, unless the first receiver already added it."""

@@ -235,6 +235,13 @@ def row_split(d: int, min_tail: int) -> tuple[int, int]:
     return (head, tail) if head + tail < whole else (whole, 0)
 
 
+def min_tail(num_warps: int) -> int:
+    """The narrowest tail row_split may give a kernel on num_warps warps: two lanes per thread for a row's
+    vectors (a query, a norm weight: one row), so that 16-bit values move in 32-bit transfers (a warp's is one
+    whole 128-byte line)."""
+    return 2 * 32 * num_warps
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive integers (triton.cdiv costs microseconds per call on the host path)."""
     return -(-a // b)

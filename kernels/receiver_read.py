@@ -18,8 +18,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, slab_of, slot_view, wave
-from kernels.tiles import (accumulate_grad, add_slots, folded_query, logit, mix, read_table, softmax_step,
+from kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, min_tail, register_budget, row_split,
+                            slab_of, slot_view, wave)
+from kernels.tiles import (accumulate_grad, add_slots, folded_query, logit, mix, read_table, row_add, row_axpy,
+                           row_cols, row_colsum, row_div, row_dot, row_load, row_masks, row_mul, row_offsets, row_own,
+                           row_round, row_scale, row_store, row_sub, row_vector, row_zeros, softmax_step,
                            source_grad, start_state, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -29,15 +32,15 @@ NULL_NONE, NULL_ZERO, NULL_LEARNED = tl.constexpr(0), tl.constexpr(1), tl.conste
 
 
 @triton.jit
-def _null_source(null_ptr, NULL: tl.constexpr, u, cols, d, eps):
-    """The null source (BLOCK_D,) and its logit: the receiver's learned vector (NULL_LEARNED), or zero (value 0,
-    logit 0) otherwise."""
+def _null_source(null_ptr, NULL: tl.constexpr, u, cols, own, d, eps):
+    """The null source (one row) and its logit (1,): the receiver's learned vector (NULL_LEARNED), or zero
+    (value 0, logit 0) otherwise."""
     if NULL == NULL_LEARNED:
-        n = tl.load(null_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+        n = row_vector(null_ptr, cols, own)
     else:
-        n = tl.zeros((u.shape[0],), tl.float32)
-    rstd = tl.rsqrt(tl.sum(n * n, axis=0) / d + eps)
-    return n, tl.sum(n * u, axis=0) * rstd, rstd
+        n = row_zeros(1, cols)
+    z, _ = logit(n, u, d, eps)
+    return n, z
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
@@ -46,39 +49,38 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
                   HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
-    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr."""
+    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr. Rows are split rows (kernels/tiles.py)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < d)[None, :]
-    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-    u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)   # row `slot` of the group's (R, d)
-    m, l, acc = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE, BLOCK_M,
-                            BLOCK_D)
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    masks = row_masks(row_ok, own)
+    offs = row_offsets(rows.to(tl.int64)[:, None] * d, cols)
+    u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)   # row `slot` of the group's (R, d)
+    m, l, acc = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, masks, cols, M, HAS_STATE,
+                            BLOCK_M)
     if HAS_TABLE:
-        m, l, acc = read_table(table, n_a, n_b, offs, mask, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
-    h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        m, l, acc = read_table(table, n_a, n_b, offs, masks, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
+    h = row_zeros(BLOCK_M, cols)
     if ADD or HAS_DIFF:
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = row_load(h_ptr, offs, masks)
     if HAS_DIFF:                          # the partial block h - base
-        p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        p = row_sub(h, row_load(base_ptr, offs, masks))
         m, l, acc = softmax_step(m, l, acc, p, logit(p, u, d, eps)[0])
     if NULL != NULL_NONE:                 # the null source: zero, or learned (at null_ptr)
-        n, z_n, _ = _null_source(null_ptr, NULL, u, cols, d, eps)
-        m, l, acc = softmax_step(m, l, acc, n[None, :], tl.zeros((BLOCK_M,), tl.float32) + z_n)
+        n, z_n = _null_source(null_ptr, NULL, u, cols, own, d, eps)
+        m, l, acc = softmax_step(m, l, acc, n, tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
-    r = (acc / l[:, None]).to(R_DTYPE).to(tl.float32)
+    r = row_round(row_div(acc, l), R_DTYPE)
     if R_SAVED:                           # for the backward, in place of the state and the table's second read
-        tl.store(r_ptr + slot.to(tl.int64) * slab + offs, r.to(r_ptr.dtype.element_ty), mask=mask)
+        row_store(r_ptr + slot.to(tl.int64) * slab, offs, r, masks)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
     x = mix(h, r, gate, ADD, X_DTYPE)
-    xn = (x * tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)[:, None]).to(X_DTYPE).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (w[None, :] * xn).to(y_ptr.dtype.element_ty), mask=mask)
+    xn = row_round(row_scale(x, tl.rsqrt(row_dot(x, x) / d + norm_eps)), X_DTYPE)
+    row_store(y_ptr, offs, row_mul(row_vector(w_ptr, cols, own), xn), masks)
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
@@ -90,105 +92,105 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
                   NULL: tl.constexpr, HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr, STAGES: tl.constexpr, ROW_STAGES: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr, ROW_STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
     table sources' gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and
-    per-program partial sums of dw (norm weight) at dw_ptr and of du and dgate into row `slot` of the group's
-    buffers at du_ptr (R, programs, BLOCK_D) and dgate_ptr (R, programs): the group's node sums them, once per
-    group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and the table."""
+    per-program partial sums of dw (norm weight) at dw_ptr (programs, d) and of du and dgate into row `slot` of
+    the group's buffers at du_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them,
+    once per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
+    the table."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, d)
-    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
+    w = row_vector(w_ptr, cols, own)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)
     if NULL == NULL_LEARNED:              # the learned null's vector and logit
-        n, z_n, rstd_n = _null_source(null_ptr, NULL, u, cols, d, eps)
-    du = tl.zeros((BLOCK_D,), tl.float32)
-    dw = tl.zeros((BLOCK_D,), tl.float32)
+        n, z_n = _null_source(null_ptr, NULL, u, cols, own, d, eps)
+    du = row_zeros(1, cols)
+    dw = row_zeros(1, cols)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
     for t in tl.range(0, tiles, num_stages=ROW_STAGES):   # pipelined when nothing below loops (ROW_STAGES > 1)
         rows = (pid * tiles + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        mask = row_ok[:, None] & (cols < d)[None, :]
-        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        masks = row_masks(row_ok, own)
+        offs = row_offsets(rows.to(tl.int64)[:, None] * d, cols)
         lse = tl.load(lse_ptr + slot.to(tl.int64) * M + rows, mask=row_ok, other=float("inf"))  # rows past M:
         # every weight exp(z - lse) is 0, so nothing there overflows into the sums over rows
-        h = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        h = row_zeros(BLOCK_M, cols)
+        p = row_zeros(BLOCK_M, cols)
         if ADD or HAS_DIFF:
-            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            h = row_load(h_ptr, offs, masks)
         if HAS_DIFF:
-            p = h - tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            p = row_sub(h, row_load(base_ptr, offs, masks))
         if R_SAVED:                       # the forward's r, as it was mixed (rounded to R_DTYPE)
-            r = tl.load(r_ptr + slot.to(tl.int64) * slab + offs, mask=mask, other=0.0).to(tl.float32)
+            r = row_load(r_ptr + slot.to(tl.int64) * slab, offs, masks)
         else:                             # the read-out again: r = exp(lse_C - lse) r_C + sum_i exp(z_i - lse) s_i
-            m, _, r = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, mask, M, HAS_STATE,
-                                  BLOCK_M, BLOCK_D)
-            r = r * tl.exp(m - lse)[:, None]
+            m, _, r = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, masks, cols, M, HAS_STATE,
+                                  BLOCK_M)
+            r = row_scale(r, tl.exp(m - lse))
             if HAS_TABLE:
                 for i in tl.range(0, n_a, num_stages=STAGES):
-                    s = table_source(table, i, A_DTYPE, offs, mask)
-                    r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
+                    s = table_source(table, i, A_DTYPE, offs, masks)
+                    r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
                 for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                    s = table_source(table, i, B_DTYPE, offs, mask)
-                    r += tl.exp(logit(s, u, d, eps)[0] - lse)[:, None] * s
+                    s = table_source(table, i, B_DTYPE, offs, masks)
+                    r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
             if HAS_DIFF:                  # (+ the partial block's term, + a learned null's)
-                r += tl.exp(logit(p, u, d, eps)[0] - lse)[:, None] * p
+                r = row_axpy(tl.exp(logit(p, u, d, eps)[0] - lse), p, r)
             if NULL == NULL_LEARNED:
-                r += tl.exp(z_n - lse)[:, None] * n[None, :]
-        r_mixed = r.to(R_DTYPE).to(tl.float32)
+                r = row_axpy(tl.exp(z_n - lse), n, r)
+        r_mixed = row_round(r, R_DTYPE)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
         x = mix(h, r_mixed, gate, ADD, X_DTYPE)
-        rstd_x = tl.rsqrt(tl.sum(x * x, axis=1) / d + norm_eps)
-        xn = x * rstd_x[:, None]
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dw += tl.sum(dy * xn.to(X_DTYPE).to(tl.float32), axis=0)
-        gy = dy * w[None, :]
-        dx = rstd_x[:, None] * (gy - xn * (tl.sum(gy * xn, axis=1) / d)[:, None])
+        rstd_x = tl.rsqrt(row_dot(x, x) / d + norm_eps)
+        xn = row_scale(x, rstd_x)
+        dy = row_load(dy_ptr, offs, masks)
+        dw = row_colsum(dw, row_mul(dy, row_round(xn, X_DTYPE)))
+        gy = row_mul(dy, w)
+        dx = row_scale(row_axpy(-row_dot(gy, xn) / d, xn, gy), rstd_x)
         if ADD:                           # x = h + gate r: dL/dh = dx, dL/dr = gate dx
-            dgate += tl.sum(dx * r_mixed, axis=1)
+            dgate += row_dot(dx, r_mixed)
             dh = dx
-            dr = dx * gate
+            dr = row_scale(dx, tl.zeros((BLOCK_M,), tl.float32) + gate)
         else:
-            dh = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            dh = row_zeros(BLOCK_M, cols)
             dr = dx
         if HAS_STATE:                     # go as phase 1's backward will read it, used alike here: the
-            dr = dr.to(go_ptr.dtype.element_ty).to(tl.float32)   # softmax backward's go . s_i - D is consistent
-        D = tl.sum(dr * r, axis=1)
+            dr = row_round(dr, go_ptr.dtype.element_ty)   # softmax backward's go . s_i - D is consistent
+        D = row_dot(dr, r)
         if HAS_DIFF:                      # d(h - base): + to h, - to base
             dp, dz_rstd = source_grad(p, dr, u, lse, D, d, eps)
-            du += tl.sum(dz_rstd[:, None] * p, axis=0)
-            dh += dp
-            tl.store(dbase_ptr + dbase_slot.to(tl.int64) * slab + offs, (-dp).to(dbase_ptr.dtype.element_ty),
-                     mask=mask)
+            du = row_colsum(du, row_scale(p, dz_rstd))
+            dh = row_add(dh, dp)
+            row_store(dbase_ptr + dbase_slot.to(tl.int64) * slab, offs, row_sub(row_zeros(BLOCK_M, cols), dp),
+                      masks)
         if SUMS and not HAS_TABLE:        # no source loop follows: the group's slots join dh before its one store
-            dh = add_slots(dh, dsum_ptr, dsum_lo, dsum_hi, slab, offs, mask)
+            dh = add_slots(dh, dsum_ptr, dsum_lo, dsum_hi, slab, offs, masks)
         if ADD or HAS_DIFF or SUMS:
-            tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+            row_store(dh_ptr, offs, dh, masks)
         if HAS_STATE:                     # for phase 1's backward
-            tl.store(go_ptr + slot.to(tl.int64) * slab + offs, dr.to(go_ptr.dtype.element_ty), mask=mask)
+            row_store(go_ptr + slot.to(tl.int64) * slab, offs, dr, masks)
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
         if HAS_TABLE:
             for i in tl.range(0, n_a, num_stages=STAGES):
-                s = table_source(table, i, A_DTYPE, offs, mask)
+                s = table_source(table, i, A_DTYPE, offs, masks)
                 ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
-                du += tl.sum(dz_rstd[:, None] * s, axis=0)
-                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, mask, accumulate)
+                du = row_colsum(du, row_scale(s, dz_rstd))
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = table_source(table, i, B_DTYPE, offs, mask)
+                s = table_source(table, i, B_DTYPE, offs, masks)
                 ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
-                du += tl.sum(dz_rstd[:, None] * s, axis=0)
-                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, mask, accumulate)
+                du = row_colsum(du, row_scale(s, dz_rstd))
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks, accumulate)
         if SUMS and HAS_TABLE:            # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
-            dh = add_slots(tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32), dsum_ptr, dsum_lo, dsum_hi,
-                           slab, offs, mask)
-            tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+            dh = add_slots(row_load(dh_ptr, offs, masks), dsum_ptr, dsum_lo, dsum_hi, slab, offs, masks)
+            row_store(dh_ptr, offs, dh, masks)
     part = slot * tl.num_programs(0) + pid        # this receiver's row of the group's (R, programs) partials
-    tl.store(du_ptr + part.to(tl.int64) * BLOCK_D + cols, du)
-    tl.store(dw_ptr + pid * BLOCK_D + cols, dw)
+    row_store(du_ptr + part.to(tl.int64) * d, row_offsets(0, cols), du, row_own(own))
+    row_store(dw_ptr + pid * d, row_offsets(0, cols), dw, row_own(own))
     tl.store(dgate_ptr + part, tl.sum(dgate, axis=0))
 
 
@@ -204,17 +206,20 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
     """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile in the
     forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
     loops pipelined (three stages deep below d = 4096 forward, four backward, where one program per SM has the
-    registers for them; else two: kernels/tools/aot.py checks that nothing spills)."""
-    block_d = triton.next_power_of_2(d)
-    if interpreting():
-        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=block_d, STAGES=1, num_warps=4)
+    registers for them; else two: kernels/tools/aot.py checks that nothing spills); rows split where d is not a
+    power of two (kernels.launch.row_split)."""
+    block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
+    if interpreting():                        # (a tail of a quarter tile, so that the tests see one overlap)
+        head, tail = row_split(d, block_d // 4)
+        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4)
     wide = block_d > 2048
     warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
     per_thread = 8 if backward or wide else 16
     block_m = max(1, min(16, per_thread * 32 * warps // block_d))
+    head, tail = row_split(d, min_tail(warps))
     kernel = "_receiver_bwd" if backward else "_receiver_fwd"
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, STAGES=(2 if wide else 4) if backward else (2 if wide else 3),
-                num_warps=warps,
+    return dict(BLOCK_M=block_m, BLOCK_D=head, BLOCK_T=tail,
+                STAGES=(2 if wide else 4) if backward else (2 if wide else 3), num_warps=warps,
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
 
 
@@ -310,7 +315,7 @@ class ReadGrads:
     kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
     lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
-    programs, BLOCK_D) and dgate (R, programs): the group's buffers of per-program partial sums (partials_shape),
+    programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (partials_shape),
     row `slot` this receiver's."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
@@ -324,9 +329,9 @@ class ReadGrads:
 
 
 def partials_shape(M: int, d: int, device: torch.device) -> tuple[int, int]:
-    """(programs, BLOCK_D) of the receiver backward's per-program partial sums at M rows of width d."""
+    """(programs, d) of the receiver backward's per-program partial sums at M rows of width d."""
     cfg = _receiver_config(M, d, backward=True)
-    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0], cfg["BLOCK_D"]
+    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0], d
 
 
 def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
@@ -354,7 +359,7 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
     uses_h = read.add or read.base is not None or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
-    dweight = torch.empty(programs, cfg["BLOCK_D"], dtype=torch.float32, device=h.device)
+    dweight = torch.empty(programs, d, dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
     n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
 
@@ -377,4 +382,4 @@ def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
            D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
            du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate, tiles=tiles, accumulate=int(out.accumulate),
            SUMS=out.dsum is not None, ROW_STAGES=_row_stages(d) if table is None and out.dsum is None else 1, **cfg)
-    return {"dh": dh, "dweight": dweight.sum(0)[:d]}
+    return {"dh": dh, "dweight": dweight.sum(0)}

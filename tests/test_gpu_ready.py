@@ -1,7 +1,7 @@
 """The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU
 needed (kernels/tools/aot.py): every specialisation the model launches at the paper's widths compiles, spills
 nothing, fits its programs per SM, moves its tiles in 128-bit transfers, and keeps enough bytes in flight
-with few masked lanes (or a stated reason covers it). Four deliberately bad builds show that the rules can
+with few masked lanes (or a stated reason covers it). Five deliberately bad builds show that the rules can
 fail. The compiler runs in a fresh process: the other kernel tests put Triton in
 interpreter mode, which cannot compile."""
 import json
@@ -29,8 +29,9 @@ def bad(d, kernel="_route_fwd", launches=aot.api_launches(1280), **config):
     (name, spec), = aot.specialisations([Launch(launch.kernel, 1, args, launch.reads, launch.writes)]).items()
     return aot.check(aot.compile_one(name, spec))
 
-controls = {"odd width": bad(1283), "oversized tile": bad(4096, BLOCK_M=16, BLOCK_D=4096, num_warps=4),
-            "padded row": bad(2048, BLOCK_M=1, BLOCK_D=4096),
+controls = {"odd width": bad(1283), "oversized tile": bad(4096, BLOCK_M=16, BLOCK_D=4096, BLOCK_T=0, num_warps=4),
+            "padded row": bad(2048, BLOCK_M=1, BLOCK_D=4096, BLOCK_T=0),
+            "unsplit row": bad(1280, BLOCK_D=2048, BLOCK_T=0),
             "shallow pipeline": bad(4096, "_group_fwd", aot.model_launches(4096), STAGES=1)}
 print(json.dumps({"results": results, "controls": controls}))
 """
@@ -61,12 +62,14 @@ def test_every_model_specialisation_streams_at_the_paper_widths(compiled):
 def test_the_rules_catch_element_wise_loads_spills_padding_and_a_shallow_pipeline(compiled):
     """A width the compiler cannot prove 16-byte aligned rows for reads bf16 element by element; a tile of
     16 rows x 4096 on 4 warps does not fit in registers; a 2048-wide row in a 4096-lane tile wastes half of
-    every row operation (a power of two: no stated reason covers it); phase 1's forward with one stage keeps one
+    every row operation (a power of two: no stated reason covers it), and a 1280-wide row in one 2048-lane tile,
+    not split, 37.5% (a third or more: no reason covers it either); phase 1's forward with one stage keeps one
     8 KB row in flight per SM."""
     controls = compiled["controls"]
     assert any("narrower than 32 bits" in p for p in controls["odd width"]), controls["odd width"]
     assert any(p.startswith("spills") for p in controls["oversized tile"]), controls["oversized tile"]
     assert any("50.0% of lanes masked" in p for p in controls["padded row"]), controls["padded row"]
+    assert any("37.5% of lanes masked" in p for p in controls["unsplit row"]), controls["unsplit row"]
     assert any("KB in flight per SM < 16 KB" in p for p in controls["shallow pipeline"]), controls["shallow pipeline"]
 
 
@@ -86,3 +89,7 @@ def test_occupancy_at_the_paper_widths(compiled):
                 assert "ROW_STAGES=1 " not in name, name
             if int(d) & (int(d) - 1) == 0:
                 assert k["occupancy"]["masked"] == 0, (d, k["name"])
+            assert k["occupancy"]["masked"] < 1 / 3, (d, name)      # split rows: never a third of a row
+            if int(d) == 1280:
+                assert "BLOCK_T=256 " in name or "BLOCK_T=512 " in name, name
+                assert k["occupancy"]["masked"] <= 0.2, name
