@@ -23,6 +23,16 @@ It is a bound, not a design: it lets every receiver of a step read every source 
 forward pass cannot do (a receiver's input exists only after the sublayer before it has run), so the bytes
 above it belong to the grouped schedule (kernels/group_read.py): phase 1's state handed to each receiver, go and
 D handed back, and each later group reading the committed sources and their gradient accumulators again.
+
+The floor adds what any schedule that runs the forward pass in order must move besides (`handoffs`). A receiver l
+that reads k >= 2 committed sources needs, when its turn comes, r_C = sum over them of a_il s_i: no on-chip memory
+keeps anything across the sublayers that run between, so it either reads the k sources (k rows) or reads r_C (or
+anything d wide it is made from) that an earlier pass wrote (2 rows: written, read): at least 2 rows. Its backward
+needs its r again (the norm's input h~ + g r and D = go . r; the baseline's norm reads h~ alone): at least 1 row
+(r_C read again, or r saved: 2). And the sources' gradients need its go: either its backward reads the k sources
+and reads and writes their accumulators (3k rows), or it hands go to a later pass (2 rows: written, read): at
+least 2. So 5 rows of d values in the dtype gradients and read-outs are handed over in (bf16 under autocast) per
+such receiver; a receiver with one committed source is left out (its reads may be the bound's own).
 """
 from __future__ import annotations
 
@@ -32,11 +42,12 @@ from model import ModelConfig
 from router import make_policy
 
 
-def _walk(cfg: ModelConfig) -> tuple[int, int]:
-    """(committed sources, receivers that read the partial block) of one forward pass of cfg's policy."""
+def _walk(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(committed sources, receivers that read the partial block, receivers that read 2 or more committed
+    sources) of one forward pass of cfg's policy."""
     policy = make_policy(cfg.residual, cfg.n_layers, cfg.n_blocks, cfg.block_source, cfg.include_partial,
                          cfg.null_source, cfg.block_split, cfg.sources)
-    committed, partial_readers, has_partial = 1, 0, False       # e is the first source
+    committed, partial_readers, has_partial, handoffs = 1, 0, False, 0     # e is the first source
     n = 2 * cfg.n_layers
     for l in range(n + int(policy.final_read)):
         boundary = l < n and l in policy.boundaries
@@ -46,23 +57,27 @@ def _walk(cfg: ModelConfig) -> tuple[int, int]:
         if reads and has_partial and policy.include_partial and policy.sources == "deltas" \
                 and policy.block_source == "boundary":
             partial_readers += 1
+        handoffs += reads and committed >= 2
         if boundary and has_partial and policy.commit_after_read:
             committed, has_partial = committed + 1, False
         has_partial = has_partial or (l < n and policy.read != "none")
-    return committed, partial_readers
+    return committed, partial_readers, handoffs
 
 
 def lower_bound(cfg: ModelConfig, param_dtype: torch.dtype = torch.float32,
                 output_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """{"sources", "partial", "bytes_per_token"}: the bound's two terms and their sum, in bytes per token, for a
-    step whose embedding and stream are param_dtype and whose sublayer outputs are output_dtype."""
+    step whose embedding and stream are param_dtype and whose sublayer outputs are output_dtype; and "handoffs",
+    "floor": the hand-offs any in-order schedule adds (the module docstring) and bound + hand-offs."""
     if cfg.residual == "baseline":
-        return {"sources": 0.0, "partial": 0.0, "bytes_per_token": 0.0}
-    committed, partial_readers = _walk(cfg)
+        return {"sources": 0.0, "partial": 0.0, "bytes_per_token": 0.0, "handoffs": 0.0, "floor": 0.0}
+    committed, partial_readers, handoff_readers = _walk(cfg)
     d, stream = cfg.d_model, torch.empty(0, dtype=param_dtype).element_size()
     source = stream if cfg.sources == "states" or cfg.block_source == "paper" else \
         torch.empty(0, dtype=output_dtype).element_size()
     sources = 3 * d * (stream + (committed - 1) * source)       # e, then the committed deltas or states
     handed = torch.empty(0, dtype=output_dtype).element_size()  # the dtype gradients are handed over in
     partial = 2 * d * (stream + handed) * partial_readers        # the base twice; its gradient written and read
-    return {"sources": float(sources), "partial": float(partial), "bytes_per_token": float(sources + partial)}
+    handoffs = 5 * d * handed * handoff_readers                   # r_C in, r again, go out: 5 rows
+    return {"sources": float(sources), "partial": float(partial), "bytes_per_token": float(sources + partial),
+            "handoffs": float(handoffs), "floor": float(sources + partial + handoffs)}

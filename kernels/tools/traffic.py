@@ -238,15 +238,16 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
              f"each kernel at what its bytes in flight allow (kernels/tools/occupancy.py), torch ops at "
              f"{BANDWIDTH_EFFICIENCY:.0%}; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
-             "MB per token above the baseline: today's, the lower bound (kernels/tools/bound.py), the goal; "
-             "predicted tokens/s vs the baseline",
-             f"{'method':<14}{'today':>8}{'forward':>9}{'backward':>9}{'bound':>8}{'goal':>7}"
+             "MB per token above the baseline: today's, the lower bound and the floor of an in-order schedule "
+             "(bound + hand-offs: kernels/tools/bound.py), the goal; predicted tokens/s vs the baseline",
+             f"{'method':<14}{'today':>8}{'forward':>9}{'backward':>9}{'bound':>8}{'floor':>8}{'goal':>7}"
              f"{'H100 flat':>11}" + "".join(f"{k + ' occupancy':>16}" for k in DEVICES) + f"{'goal':>7}"]
     for label, r in results.items():
         goal = GOALS.get(label)
         occupancy_ratios = "".join(f"{occupancy_ratio(r, fpt, k):>15.3f}x" for k in DEVICES)
         lines.append(f"{label:<14}{r['bytes_per_token'] / 1e6:>8.3f}{r['forward'] / 1e6:>9.3f}"
                      f"{r['backward'] / 1e6:>9.3f}{r['lower_bound']['bytes_per_token'] / 1e6:>8.3f}"
+                     f"{r['lower_bound']['floor'] / 1e6:>8.3f}"
                      f"{f'{goal[0] / 1e6:.2f}' if goal else '':>7}{predicted_ratio(r['bytes_per_token'], fpt, 'H100'):>10.3f}x"
                      f"{occupancy_ratios}{f'{goal[1]:.2f}x' if goal else '':>7}")
     lines.append(f"where the bytes go (MB per token, the {top} largest items per method); above the bound: "
@@ -257,7 +258,7 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
         items = ", ".join(f"{name} {v / 1e6:.3f}" for name, v in list(r["by_name"].items())[:top])
         b = r["lower_bound"]
         lines.append(f"  {label}: bound {b['sources'] / 1e6:.3f} sources + {b['partial'] / 1e6:.3f} partial "
-                     f"blocks | {items}")
+                     f"blocks, floor + {b['handoffs'] / 1e6:.3f} hand-offs | {items}")
     return "\n".join(lines)
 
 
