@@ -35,8 +35,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.launch import SourceTable, cdiv, interpreting, launch, min_tail, register_budget, row_split, wave
-from kernels.tiles import (accumulate_grad, logit, row_cols, row_div, row_dot, row_load, row_masks, row_mul,
-                           row_offsets, row_own, row_store, row_zeros, softmax_step, table_source)
+from kernels.tiles import (accumulate_grad, logit, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot, row_load,
+                           row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros, softmax_step,
+                           table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -78,7 +79,7 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
 
 
 @triton.jit
-def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps,
+def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps,
                     H: tl.constexpr, GROUPS: tl.constexpr):
     """One committed source row s (split: (1, width) tiles), summed over receivers r0 + [0, GROUPS H) taken in
     GROUPS groups of H: its gradient ds (split like s), and du with each receiver's term dz rstd s added. U and
@@ -98,10 +99,8 @@ def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, 
         first = r0 + g * H
         du_g = du[g]
         if first < n_recv:
-            go_masks = ()
-            for c in tl.static_range(len(cols)):
-                go_masks = go_masks + ((first + k < n_recv)[:, None] & masks[c],)
-            go = row_load(go_row, row_offsets((first + k)[:, None].to(tl.int64) * slab, cols), go_masks)
+            go = row_load(go_row, row_offsets((first + k)[:, None].to(tl.int64) * slab, cols),
+                          row_masks(first + k < n_recv, own))
             us = tl.zeros((H,), tl.float32)
             gs = tl.zeros((H,), tl.float32)
             for c in tl.static_range(len(cols)):                          # both dot products, one reduction
@@ -111,19 +110,11 @@ def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, 
             z = us * rstd
             a = tl.exp(z - lse[g])                                        # 0 for masked receivers (lse = inf)
             dz_rstd = a * (gs - D[g]) * rstd
-            new_ds = ()
-            new_du_g = ()
-            for c in tl.static_range(len(cols)):
-                new_ds = new_ds + (ds[c] + tl.sum(a[:, None] * go[c] + dz_rstd[:, None] * U[g][c], axis=0)[None, :],)
-                new_du_g = new_du_g + (du_g[c] + dz_rstd[:, None] * s[c],)
-            ds = new_ds
-            du_g = new_du_g
+            ds = row_colsum(ds, row_axpy(dz_rstd, U[g], row_scale(go, a)))    # + sum_r a go + dz rstd u
+            du_g = row_add(du_g, row_scale(s, dz_rstd))
             shrink += tl.sum(dz_rstd * z, axis=0)
         new_du = new_du + (du_g,)
-    out = ()
-    for c in tl.static_range(len(cols)):
-        out = out + (ds[c] - shrink[:, None] * rstd[:, None] / d * s[c],)
-    return out, new_du
+    return row_axpy(-(shrink * rstd / d), s, ds), new_du
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
@@ -162,12 +153,12 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
                 lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
             for i in tl.range(0, n_a, num_stages=STAGES):
                 s = table_source(table, i, A_DTYPE, offs, masks)
-                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps, H,
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
                                          GROUPS)
                 accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
                 s = table_source(table, i, B_DTYPE, offs, masks)
-                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, masks, d, eps, H,
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
                                          GROUPS)
                 accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
                                     accumulate)
