@@ -5,10 +5,10 @@ and the receivers' mix, softmax start state and sum of a group's partial-block s
 
 A row of d values is a split row (kernels.launch.row_split): a tuple of tiles, the head (columns [0, BLOCK_D))
 and, where d is not a power of two, a tail over the row's last BLOCK_T columns (those the head holds masked off
-in it), so that a row of 1280 lanes is 1024 + 512 or 1024 + 256 lanes, not one tile of 2048 (Triton's tiles
-are powers of two). K rows of it are (K, width) tiles; a (d,) vector (a query, a norm weight, a partial sum of
-du) is one row, (1, width) tiles, which broadcast against K rows. The row_* helpers are the arithmetic of such
-tuples, tile by tile; reductions over a row add the tiles' sums.
+in it), so that a row of 1280 lanes is 1024 + 512 lanes, not one tile of 2048 (Triton's tiles are powers of
+two). K rows of it are (K, width) tiles; a (d,) vector (a query, a norm weight, a partial sum of du) is one row,
+(1, width) tiles, which broadcast against K rows. The row_* helpers are the arithmetic of such tuples, tile by
+tile; reductions over a row add the tiles' sums.
 """
 import triton
 import triton.language as tl
