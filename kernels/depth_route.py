@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import (SourceTable, aligned, cdiv, interpreting, launch, min_tail, register_budget, row_split,
+from kernels.launch import (SourceTable, aligned, cdiv, interpreting, launch, register_budget, row_tiles,
                             source_table)
 from kernels.tiles import (folded_query, logit, read_table, row_cols, row_colsum, row_div, row_dot, row_load,
                            row_masks, row_offsets, row_own, row_scale, row_store, row_zeros, source_grad,
@@ -119,13 +119,11 @@ def _config(M: int, d: int, backward: bool = False) -> dict:
     The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
     programs are faster."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
-    if interpreting():                        # (a tail of a quarter tile, so that the tests see one overlap)
-        head, tail = row_split(d, block_d // 4)
-        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4)
+    if interpreting():
+        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)
     warps = 4 if block_d <= 1024 else 8
     block_m = max(1, min(16, 16 * 32 * warps // block_d))
-    head, tail = row_split(d, min_tail(warps))
-    return dict(BLOCK_M=block_m, BLOCK_D=head, BLOCK_T=tail, STAGES=2 if backward else 3, num_warps=warps,
+    return dict(BLOCK_M=block_m, **row_tiles(d, warps), STAGES=2 if backward else 3, num_warps=warps,
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM["_route_bwd" if backward else "_route_fwd"]))
 
 

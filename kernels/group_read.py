@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, cdiv, interpreting, launch, min_tail, register_budget, row_split, wave
+from kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, wave
 from kernels.tiles import (accumulate_grad, logit, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot, row_load,
                            row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros, softmax_step,
                            table_source)
@@ -191,18 +191,16 @@ def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
     lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes; the
     forward runs such rows on 8 warps (on 16 its tail would need 1024 lanes, no narrower than one tile)."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
-    if interpreting():                        # (a tail of a quarter tile, so that the tests see one overlap)
-        head, tail = row_split(d, block_d // 4)
-        return dict(R_BLOCK=16, BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4,
-                    **(dict(GROUPS=4) if backward else {}))
-    head, tail = row_split(d, min_tail(8))
+    if interpreting():
+        return dict(R_BLOCK=16, **row_tiles(d, 4), STAGES=1, num_warps=4, **(dict(GROUPS=4) if backward else {}))
+    tiles = row_tiles(d, 8)
     if backward:
         stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
-        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, BLOCK_D=head, BLOCK_T=tail, STAGES=stages,
-                    num_warps=8, maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
-    warps = 8 if tail else 16
-    return dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_D=head, BLOCK_T=tail, STAGES=8 if block_d > 1024 else 6,
-                num_warps=warps, maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd"]))
+        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, **tiles, STAGES=stages, num_warps=8,
+                    maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
+    warps = 8 if tiles["BLOCK_T"] else 16
+    return dict(R_BLOCK=8 if block_d <= 2048 else 4, **tiles, STAGES=8 if block_d > 1024 else 6, num_warps=warps,
+                maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd"]))
 
 
 def receivers_per_pass(d: int) -> int:

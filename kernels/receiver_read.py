@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, min_tail, register_budget, row_split,
-                            slab_of, slot_view, wave)
+from kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, slab_of,
+                            slot_view, wave)
 from kernels.tiles import (accumulate_grad, add_slots, folded_query, logit, mix, read_table, row_add, row_axpy,
                            row_cols, row_colsum, row_div, row_dot, row_load, row_masks, row_mul, row_offsets, row_own,
                            row_round, row_scale, row_store, row_sub, row_vector, row_zeros, softmax_step,
@@ -209,16 +209,14 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
     registers for them; else two: kernels/tools/aot.py checks that nothing spills); rows split where d is not a
     power of two (kernels.launch.row_split)."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
-    if interpreting():                        # (a tail of a quarter tile, so that the tests see one overlap)
-        head, tail = row_split(d, block_d // 4)
-        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), BLOCK_D=head, BLOCK_T=tail, STAGES=1, num_warps=4)
+    if interpreting():
+        return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)
     wide = block_d > 2048
     warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
     per_thread = 8 if backward or wide else 16
     block_m = max(1, min(16, per_thread * 32 * warps // block_d))
-    head, tail = row_split(d, min_tail(warps))
     kernel = "_receiver_bwd" if backward else "_receiver_fwd"
-    return dict(BLOCK_M=block_m, BLOCK_D=head, BLOCK_T=tail,
+    return dict(BLOCK_M=block_m, **row_tiles(d, warps),
                 STAGES=(2 if wide else 4) if backward else (2 if wide else 3), num_warps=warps,
                 maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
 

@@ -14,7 +14,7 @@ x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB
   inputs load while one is reduced), plus STAGES rows of the sources the address table streams (the software
   pipeline's depth), with their gradient accumulators when the loop adds into them;
 - masked lanes: a row is one tile of BLOCK_D = next_pow2(d) lanes, or a split row of BLOCK_D + BLOCK_T lanes
-  (kernels.launch.row_split: phase 1's kernels), of which 1 - d / lanes do nothing.
+  (kernels.launch.row_split), of which 1 - d / lanes do nothing.
 
 The bandwidth model (kernels/tools/traffic.py uses it): a kernel reaches MAX_EFFICIENCY of the peak bandwidth if
 its SMs keep at least LATENCY x peak / SMs bytes in flight, and proportionally less below that.
