@@ -149,7 +149,7 @@ class ReceiverRead(torch.autograd.Function):
             go = slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1)
             dnull, du_null = learned_null_grads(null, group.queries[spec.slot], group.norm_weights[spec.slot],
                                                 spec.eps, go, group.D[spec.slot], group.lse[spec.slot])
-            group.du[spec.slot, 0, :du_null.numel()] += du_null
+            group.du[spec.slot, 0] += du_null
             dnull = dnull.to(null.dtype)
         if base is not None and not spec.base_to_group:   # else the group's node returns the base's gradient
             dbase = slot_view(grads.dbase, 0, base)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from kernels.group_read import receivers_per_pass
 from kernels.launch import SourceTable, slots
-from kernels.receiver_read import ReadGrads, partials_shape
+from kernels.receiver_read import ReadGrads, partial_programs
 from router import Policy, Router
 
 
@@ -130,9 +130,9 @@ class Group:
             self.D = torch.empty_like(self.lse)
             if self.dbase_slots:
                 self.dbase = slots(n, like, self.state_dtype)
-            programs, width = partials_shape(like.numel() // like.shape[-1], like.shape[-1], like.device)
-            self.du = torch.empty(n, programs, width, dtype=torch.float32, device=like.device)
-            self.dgate = torch.empty(n, programs, dtype=torch.float32, device=like.device)
+            M, d = like.numel() // like.shape[-1], like.shape[-1]
+            self.du = torch.empty(n, partial_programs(M, d, like.device), d, dtype=torch.float32, device=like.device)
+            self.dgate = torch.empty(n, self.du.shape[1], dtype=torch.float32, device=like.device)
 
     # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its
     # go, D and partial-block gradient here, and GroupRead's backward takes them.

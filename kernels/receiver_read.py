@@ -313,7 +313,7 @@ class ReadGrads:
     kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
     lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
-    programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (partials_shape),
+    programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (partial_programs),
     row `slot` this receiver's."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
@@ -326,10 +326,10 @@ class ReadGrads:
     dsum: tuple[Tensor, int, int] | None = None
 
 
-def partials_shape(M: int, d: int, device: torch.device) -> tuple[int, int]:
-    """(programs, d) of the receiver backward's per-program partial sums at M rows of width d."""
+def partial_programs(M: int, d: int, device: torch.device) -> int:
+    """The receiver backward's programs at M rows of width d: its per-program partial sums are (programs, d)."""
     cfg = _receiver_config(M, d, backward=True)
-    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0], d
+    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0]
 
 
 def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
