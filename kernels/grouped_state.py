@@ -21,7 +21,7 @@ model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelC
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -30,7 +30,8 @@ from torch import Tensor
 from kernels.group_read import group_backward, group_forward
 from kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
 from kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
-from kernels.receiver_read import Read, learned_null_grads, receiver_backward, receiver_forward
+from kernels.receiver_read import (NULL_LEARNED, NULL_NONE, NULL_ZERO, Inputs, Read, learned_null_grads,
+                                   receiver_backward, receiver_forward)
 from router import DepthState, Router
 
 
@@ -101,27 +102,12 @@ class Receiver:
     """One receiver's read: its group and slot, its own sources (sources[first:...]) and how it mixes."""
     group: Group
     slot: int
-    table: SourceTable | None
     first: int
     owned: list[int]
-    null: bool                        # a zero null source (a learned one is an input of the node)
-    add: bool
     accumulate: bool                  # False only for the very last receiver: its backward runs first
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
     sums_group: bool                  # the group's first receiver, whose h~ is the group's base
-    eps: float
-    norm_eps: float
-    r_dtype: torch.dtype              # the read-out's dtype (the reference's: sources[0]'s)
-    x_dtype: torch.dtype
-    saves_r: bool = False             # keeps its r for its backward (group.saved_r): see GroupedDepthState._read
-    static: dict = field(default_factory=dict)   # the kernels' non-tensor arguments (Read.kernel_args)
-
-    def read(self, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor, null: Tensor | None) -> Read:
-        """The kernels' view of this read, from the node's tensors."""
-        group = self.group
-        return Read(self.table, state, group.lse_c, group.lse, self.slot, h, base, group.queries, group.norm_weights,
-                    group.gates, weight, self.null if null is None else null, self.eps, self.norm_eps, self.add,
-                    self.r_dtype, self.x_dtype, saved_r=group.saved_r if self.saves_r else None, static=self.static)
+    read: Read                        # the kernels' view of it (its tensors are the node's Inputs)
 
 
 class ReceiverRead(torch.autograd.Function):
@@ -132,28 +118,30 @@ class ReceiverRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor,
                 null: Tensor | None, *owned: Tensor) -> Tensor:
-        y = receiver_forward(spec.read(h, base, state, weight, null), torch.promote_types(weight.dtype, spec.x_dtype))
-        ctx.save_for_backward(h, base, None if spec.saves_r else state, weight, null)   # a saved r replaces the state
-        ctx.spec, ctx.bank = spec, bank
+        read = spec.read
+        y = receiver_forward(read, Inputs(h, base, state, weight, null),
+                             torch.promote_types(weight.dtype, read.x_dtype))
+        ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)  # a saved r
+        ctx.spec, ctx.bank = spec, bank                                                            # for the state
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        h, base, state, weight, null = ctx.saved_tensors
+        inputs = Inputs(*ctx.saved_tensors)
         spec, bank = _take(ctx, "spec", "bank")
-        group = spec.group
-        grads = group.receiver_grads(spec, h, base, bank.pointers(spec.table, spec.first))
-        out = receiver_backward(spec.read(h, base, state, weight, null), aligned(dy), grads)
+        group, read, h, base, null = spec.group, spec.read, inputs.h, inputs.base, inputs.null
+        grads = group.receiver_grads(spec, h, base, bank.pointers(read.table, spec.first))
+        dh, dweight = receiver_backward(read, inputs, aligned(dy), grads)
         dnull, dbase = None, None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
-            go = slot_view(group.go, spec.slot, h).view(h.numel() // h.shape[-1], -1)
+            go = slot_view(group.go, spec.slot, h).view(read.M, -1)
             dnull, du_null = learned_null_grads(null, group.queries[spec.slot], group.norm_weights[spec.slot],
-                                                spec.eps, go, group.D[spec.slot], group.lse[spec.slot])
+                                                read.eps, go, group.D[spec.slot], group.lse[spec.slot])
             group.du[spec.slot, 0] += du_null
             dnull = dnull.to(null.dtype)
         if base is not None and not spec.base_to_group:   # else the group's node returns the base's gradient
             dbase = slot_view(grads.dbase, 0, base)
-        return (None, None, out["dh"], dbase, None, out["dweight"].to(weight.dtype), dnull,
+        return (None, None, dh, dbase, None, dweight.to(inputs.weight.dtype), dnull,
                 *[bank.grad(k) for k in spec.owned])
 
 
@@ -196,6 +184,7 @@ class GroupedDepthState(DepthState):
         self.bank.add(self.h)
         self.source_list = SourceList()   # the committed sources, checked and aligned as they come: tables of them
         self.source_list.append(self.h)   # cost only their upload
+        self.M = self.h.numel() // self.h.shape[-1]   # rows of every (B, T, d) tensor of the pass
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None
         self.group_output: Tensor | None = None   # the current group's r_C buffer, as GroupRead returned it
@@ -282,11 +271,14 @@ class GroupedDepthState(DepthState):
             t.element_size() for t in table.tensors)
         if saves_r and group.saved_r is None:
             group.saved_r = slots(len(group.routers), self.h, r_dtype)
-        spec = Receiver(group, receiver - group.first_receiver, table,
-                        group.n_committed, owned, self.policy.null_source, add, receiver != len(self.router_list) - 1,
-                        base_to_group, receiver == group.first_receiver and self.h is group.base, self.eps,
-                        norm.eps, r_dtype, x_dtype, saves_r)
         learned_null = router.null if self.policy.null_source else None
+        null = NULL_NONE if not self.policy.null_source else NULL_ZERO if learned_null is None else NULL_LEARNED
+        slot = receiver - group.first_receiver
+        read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.gates, null.value,
+                    self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M, self.h.shape[-1],
+                    self.h.dtype, self.h.device, group.saved_r if saves_r else None)
+        spec = Receiver(group, slot, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
+                        receiver == group.first_receiver and self.h is group.base, read)
         return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
                                   *[self.sources[k] for k in owned])
 

@@ -251,14 +251,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def slab_of(like: Tensor) -> int:
+def slab_of(numel: int) -> int:
     """Elements between consecutive (B, T, d) slots of a buffer: numel rounded up to 16 (16-byte aligned)."""
-    return cdiv(like.numel(), 16) * 16
+    return cdiv(numel, 16) * 16
 
 
 def slots(n: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """An (n, slab) buffer of slots shaped like `like`."""
-    return torch.empty(n, slab_of(like), dtype=dtype or like.dtype, device=like.device)
+    return torch.empty(n, slab_of(like.numel()), dtype=dtype or like.dtype, device=like.device)
 
 
 def slot_view(buffer: Tensor, i: int, like: Tensor) -> Tensor:

@@ -11,7 +11,8 @@ its sublayer's pre-norm in the same kernel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -244,67 +245,95 @@ def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: fl
     return a @ go + c * u - c * z * rstd / n.numel() * n, c * n
 
 
+class Inputs(NamedTuple):
+    """A read's tensors that its autograd node saves for its backward (so saved-tensor hooks see them)."""
+    h: Tensor                         # (B, T, d) the stream h~ (and the partial block's minuend)
+    base: Tensor | None               # the partial block h~ - base's base, or None
+    state: Tensor | None              # (R, slab) phase 1's r_C, or None (none committed, or r kept: Read.saved_r)
+    weight: Tensor                    # (d,) the sublayer's pre-norm weight
+    null: Tensor | None               # (d,) a learned null source, or None
+
+
+@dataclass(frozen=True)
+class Launches:
+    """What a read's two launches take that is fixed by the kind of read: the non-tensor arguments with the
+    launch configuration (forward's and backward's), the forward's grid and the backward's programs (one wave)."""
+    forward: dict
+    backward: dict
+    grid: int
+    programs: int
+
+
+@functools.cache   # the same receiver asks again at every step: a pure function of the kind of read
+def _launches(n_a: int, n_b: int, a_dtype: tl.dtype, b_dtype: tl.dtype, slot: int, slab: int, M: int, d: int,
+              has_gate: bool, null: int, eps: float, norm_eps: float, r_dtype: tl.dtype, x_dtype: tl.dtype,
+              has_state: bool, has_base: bool, add: bool, has_table: bool, r_saved: bool,
+              device: torch.device) -> Launches:
+    shared = dict(n_a=n_a, n_b=n_b, A_DTYPE=a_dtype, B_DTYPE=b_dtype, slot=slot, slab=slab,
+                  has_gate=int(has_gate), NULL=null, M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=r_dtype,
+                  X_DTYPE=x_dtype, HAS_STATE=has_state, HAS_DIFF=has_base, ADD=add, HAS_TABLE=has_table,
+                  R_SAVED=r_saved)
+    forward, backward = _receiver_config(M, d, backward=False), _receiver_config(M, d, backward=True)
+    programs, tiles = wave(cdiv(M, backward["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)
+    return Launches(dict(shared, **forward), dict(shared, **backward, tiles=tiles), cdiv(M, forward["BLOCK_M"]),
+                    programs)
+
+
 @dataclass
 class Read:
-    """One receiver's read, as both of its kernels take it. Shapes: h, base (B, T, d), M = B T rows; the
-    group's buffers hold one slot (row) per receiver of the group, R in all."""
+    """One receiver's read, as both of its kernels take it, less its Inputs. M = B T rows of width d; the group's
+    buffers hold one slot (row) per receiver of the group, R in all."""
     table: SourceTable | None         # the receiver's own sources (committed since its group began), or none
-    state: Tensor | None              # (R, slab) phase 1's r_C, or None (no committed sources)
     lse_c: Tensor                     # (R, M) phase 1's log-sum-exp
     lse: Tensor                       # (R, M) the full log-sum-exp: written forward, read backward
-    slot: int                         # this receiver's row of state, lse_c and lse
-    h: Tensor                         # the stream h~ (and the partial block's minuend)
-    base: Tensor | None               # the partial block h~ - base's base, or None
+    slot: int                         # this receiver's row of the state, lse_c and lse
     queries: Tensor                   # (R, d) the group's w_l: row `slot` is this receiver's
     norm_weights: Tensor              # (R, d) the group's g_l
     gates: Tensor | None              # (R,) the group's gamma_l, or None
-    weight: Tensor                    # (d,) the sublayer's pre-norm weight
-    null: Tensor | bool               # the null source: a learned (d,) vector, zero (True) or none (False)
+    null: int                         # the null source: NULL_NONE, NULL_ZERO or NULL_LEARNED (Inputs.null)
     eps: float                        # the routing keys' RMSNorm eps
     norm_eps: float                   # the pre-norm's eps
     add: bool                         # additive (x = h + gate r) or replacement (x = r)
     r_dtype: torch.dtype              # r and x are rounded where the reference rounds them
     x_dtype: torch.dtype
+    has_state: bool                   # reads phase 1's state (and hands go, D back to it)
+    has_base: bool                    # reads the partial block h - base
+    M: int                            # rows (B T) of the step's (B, T, d) tensors
+    d: int
+    h_dtype: torch.dtype              # the stream's
+    device: torch.device
     saved_r: Tensor | None = None     # (R, slab) the group's saved read-outs (row `slot`: this receiver's r, in
     # r_dtype, written forward and read backward in place of the state and the table's second pass), or None
-    static: dict = field(default_factory=dict)   # kernel_args' non-tensor part, filled once: a receiver's
-    # forward and backward share the dict (kernels/grouped_state.py's Receiver holds it)
 
-    @property
-    def M(self) -> int:
-        return self.h.numel() // self.h.shape[-1]
+    @functools.cached_property
+    def launches(self) -> Launches:
+        table, M, d = self.table, self.M, self.d
+        n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
+        a, b = (table.dtype(0), table.dtype(1)) if table is not None else (DTYPES[self.h_dtype],) * 2
+        return _launches(n_a, n_b, a, b, self.slot, slab_of(M * d), M, d, self.gates is not None, self.null,
+                         self.eps, self.norm_eps, DTYPES[self.r_dtype], DTYPES[self.x_dtype], self.has_state,
+                         self.has_base, self.add, table is not None, self.saved_r is not None, self.device)
 
-    def kernel_args(self) -> dict:
-        """The arguments the forward and backward kernels share: the read (table, state, partial block, null
-        source, query) and the pre-norm; an absent tensor is replaced by a placeholder its flag keeps unread."""
-        h, weight = self.h, self.weight
-        if not self.static:
-            table = self.table            # none: no sources of its own, an empty table
-            n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
-            dtypes = table.dtype_args() if table is not None else dict(A_DTYPE=DTYPES[h.dtype], B_DTYPE=DTYPES[h.dtype])
-            null = NULL_LEARNED if isinstance(self.null, Tensor) else NULL_ZERO if self.null else NULL_NONE
-            self.static.update(n_a=n_a, n_b=n_b, **dtypes, slot=self.slot, slab=slab_of(h),
-                               has_gate=int(self.gates is not None), NULL=null.value, M=self.M, d=h.shape[-1],
-                               eps=self.eps, norm_eps=self.norm_eps, R_DTYPE=DTYPES[self.r_dtype],
-                               X_DTYPE=DTYPES[self.x_dtype], HAS_STATE=self.state is not None,
-                               HAS_DIFF=self.base is not None, ADD=self.add, HAS_TABLE=table is not None,
-                               R_SAVED=self.saved_r is not None)
-        return dict(self.static, table=h if self.table is None else self.table.addresses,   # h: never read
-                    state_ptr=h if self.state is None else self.state, lse_c_ptr=self.lse_c, h_ptr=h,
-                    base_ptr=h if self.base is None else self.base, q_ptr=self.queries, g_ptr=self.norm_weights,
-                    gate_ptr=weight if self.gates is None else self.gates, w_ptr=weight, lse_ptr=self.lse,
-                    null_ptr=self.null if isinstance(self.null, Tensor) else weight,
-                    r_ptr=h if self.saved_r is None else self.saved_r)
+    def args(self, static: dict, i: Inputs, **more) -> dict:
+        """A launch's keyword arguments: its static ones, the read's tensors and `more`; an absent tensor is
+        replaced by a placeholder its flag keeps unread."""
+        h = i.h
+        return {**static, "table": h if self.table is None else self.table.addresses,   # h: never read
+                "state_ptr": h if i.state is None else i.state, "lse_c_ptr": self.lse_c, "h_ptr": h,
+                "base_ptr": h if i.base is None else i.base, "q_ptr": self.queries, "g_ptr": self.norm_weights,
+                "gate_ptr": i.weight if self.gates is None else self.gates, "w_ptr": i.weight, "lse_ptr": self.lse,
+                "null_ptr": i.weight if i.null is None else i.null, "r_ptr": h if self.saved_r is None else self.saved_r,
+                **more}
 
-    def reads(self, backward: bool) -> list:
+    def reads(self, i: Inputs, backward: bool) -> list:
         """What a kernel reads of the read's inputs (for the launch observers): the backward reads the table twice
         and the state, or, with a saved r, the table once and r."""
-        h, saved = self.h, backward and self.saved_r is not None
+        h, saved = i.h, backward and self.saved_r is not None
         reads = [(self.table, 1 + (backward and not saved))] if self.table is not None else []
         reads += [(slot_view(self.saved_r, self.slot, h), 1)] if saved else []
-        reads += [(slot_view(self.state, self.slot, h), 1)] if self.state is not None and not saved else []
-        return reads + ([(h, 1)] if self.add or self.base is not None else []) + (
-            [(self.base, 1)] if self.base is not None else [])
+        reads += [(slot_view(i.state, self.slot, h), 1)] if i.state is not None and not saved else []
+        return reads + ([(h, 1)] if self.add or i.base is not None else []) + (
+            [(i.base, 1)] if i.base is not None else [])
 
 
 @dataclass
@@ -332,52 +361,50 @@ def partial_programs(M: int, d: int, device: torch.device) -> int:
     return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0]
 
 
-def receiver_forward(read: Read, y_dtype: torch.dtype) -> Tensor:
+def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype) -> Tensor:
     """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [the state's slot] + the table's
     sources [+ h - base] [+ the null source]; writes lse[slot]."""
-    h = read.h
+    h = i.h
     y = torch.empty_like(h, dtype=y_dtype)
-    cfg = _receiver_config(read.M, h.shape[-1], backward=False)
+    launches = read.launches
+
     def io() -> tuple[list, list]:
         saved = [slot_view(read.saved_r, read.slot, h)] if read.saved_r is not None else []
-        return read.reads(backward=False), [y, read.lse[read.slot]] + saved
+        return read.reads(i, backward=False), [y, read.lse[read.slot]] + saved
 
-    launch(_receiver_fwd, cdiv(read.M, cfg["BLOCK_M"]), io, h.device, **read.kernel_args(), y_ptr=y, **cfg)
+    launch(_receiver_fwd, launches.grid, io, h.device, **read.args(launches.forward, i, y_ptr=y))
     return y
 
 
-def receiver_backward(read: Read, dy: Tensor, out: ReadGrads) -> dict:
-    """Backward of receiver_forward into `out` (ReadGrads). Returns {"dh", "dweight"} (dh None when h is unused);
+def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads) -> tuple[Tensor | None, Tensor]:
+    """Backward of receiver_forward into `out` (ReadGrads). Returns (dh, dweight) (dh None when h is unused);
     du's and dgate's partial sums are left in out.du and out.dgate for the group. A learned null's own gradient
     and its du term are left to `learned_null_grads`, from go, D and lse."""
-    h, table, slot = read.h, read.table, read.slot
-    M, d = read.M, h.shape[-1]
-    cfg = _receiver_config(M, d, backward=True)
-    programs, tiles = wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], h.device)
-    uses_h = read.add or read.base is not None or out.dsum is not None
+    h, table, slot, launches = i.h, read.table, read.slot, read.launches
+    uses_h = read.add or read.has_base or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
-    dweight = torch.empty(programs, d, dtype=torch.float32, device=h.device)
+    dweight = torch.empty(launches.programs, h.shape[-1], dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
-    n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
 
     def io() -> tuple[list, list]:
+        n_a, n_b = launches.backward["n_a"], launches.backward["n_b"]
         grads = [acc_a[off_a:off_a + n_a, :h.numel()], acc_b[off_b:off_b + n_b, :h.numel()]]
-        reads = read.reads(backward=True) + [(dy, 1), (read.lse[slot], 1)]
+        reads = read.reads(i, backward=True) + [(dy, 1), (read.lse[slot], 1)]
         reads += [(g, 1) for g in grads] if out.accumulate else []
         reloads = out.dsum is not None and table is not None   # dh stored, read back and summed with the slots
         reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if out.dsum is not None else []
         reads += [(dh, 1)] if reloads else []
         writes = grads + [out.du[slot], dweight, out.dgate[slot]]
         writes += ([dh] * (1 + reloads) if uses_h else [])
-        writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.base is not None else []
-        return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.static["HAS_STATE"] else [])
+        writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.has_base else []
+        return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.has_state else [])
 
-    launch(_receiver_bwd, programs, io, h.device, **read.kernel_args(),
-           dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=dh if uses_h else h,
-           dbase_ptr=h if out.dbase is None else out.dbase, dbase_slot=out.dbase_slot,
-           go_ptr=h if out.go is None else out.go,
-           D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr, dsum_lo=dsum_lo, dsum_hi=dsum_hi,
-           du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate, tiles=tiles, accumulate=int(out.accumulate),
-           SUMS=out.dsum is not None, ROW_STAGES=_row_stages(d) if table is None and out.dsum is None else 1, **cfg)
-    return {"dh": dh, "dweight": dweight.sum(0)}
+    launch(_receiver_bwd, launches.programs, io, h.device, **read.args(
+        launches.backward, i, dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b,
+        dh_ptr=h if dh is None else dh, dbase_ptr=h if out.dbase is None else out.dbase, dbase_slot=out.dbase_slot,
+        go_ptr=h if out.go is None else out.go, D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr,
+        dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate,
+        accumulate=int(out.accumulate), SUMS=out.dsum is not None,
+        ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1))
+    return dh, dweight.sum(0)
