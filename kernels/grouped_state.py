@@ -182,8 +182,9 @@ class GroupedDepthState(DepthState):
         self.router_list = list(self.routers)   # indexed at every read: cheaper than the ModuleList
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
-        self.source_list = SourceList()   # the committed sources, checked and aligned as they come: tables of them
-        self.source_list.append(self.h)   # cost only their upload
+        # the committed sources, checked and aligned as they come: tables of them cost little
+        self.source_list = SourceList(capacity=1 + sum(commits))
+        self.source_list.append(self.h)
         self.M = self.h.numel() // self.h.shape[-1]   # rows of every (B, T, d) tensor of the pass
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None

@@ -4,7 +4,7 @@
   alignment. `source_table` (or a `SourceList`, which checks sources one at a time as they are committed) makes
   every source contiguous and 16-byte aligned (copying the rare view that is not) and uploads the addresses in
   one copy; the kernels say so with tl.multiple_of, which turns their source loads into 128-bit loads. Host
-  work is O(N) per table, and a forward read's table serves its backward.
+  work is O(N) per table (its dtype order), and a forward read's table serves its backward.
 - Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and
   writes: built only when someone observes, from the caller's `io` function) to observers first:
   kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the specialisations the
@@ -161,12 +161,20 @@ class SourceTable:
 
 class SourceList:
     """Sources validated and aligned one at a time, as a forward pass commits them, so that each read's table
-    (`table(lo, hi)`: sources[lo:hi]) costs only its ordering and its upload: the model's path builds a table per
-    group and per receiver over sources committed earlier (kernels/grouped_state.py)."""
+    (`table(lo, hi)`: sources[lo:hi]) costs little: the model's path builds a table per group and per receiver over
+    sources committed earlier (kernels/grouped_state.py). Each source's address is written once, as it comes, into
+    one array; a table whose sources are already in dtype order (the model's always are: the embedding, then
+    sublayer outputs of one dtype) is a slice of it on the device, and what was appended since the last upload
+    goes up in one copy."""
 
-    def __init__(self):
+    def __init__(self, capacity: int = 16):
         self.tensors: list[Tensor] = []     # aligned, in commit order
         self.dtypes: list[torch.dtype] = []
+        self.capacity = capacity            # of the first address array (it doubles when full)
+        self.host: Tensor | None = None     # (capacity,) int64: every source's address (pinned for a GPU's)
+        self.on_host = None                 # a numpy view of it: an item written costs no torch call
+        self.device: Tensor | None = None   # the same on the sources' device (the host array itself on a CPU)
+        self.uploaded = 0                   # addresses device[:uploaded] are current
 
     def append(self, s: Tensor) -> None:
         """Check s against the first source (shape, device, a dtype the kernels take) and keep it aligned."""
@@ -182,8 +190,24 @@ class SourceList:
         if s.dtype not in DTYPES:
             raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
                              f"got {s.dtype} (the reference router.depth_route takes any float dtype)")
-        self.tensors.append(aligned(s))
+        s = aligned(s)
+        if self.host is None or i == len(self.host):
+            self._grow(s.device)
+        self.on_host[i] = s.data_ptr()
+        self.tensors.append(s)
         self.dtypes.append(s.dtype)
+
+    def _grow(self, device: torch.device) -> None:
+        """Room for `capacity` addresses, then twice as many, the ones written so far copied; earlier tables keep
+        the arrays they are slices of."""
+        old = self.host
+        self.host = torch.zeros(self.capacity if old is None else 2 * len(old), dtype=torch.int64,
+                                pin_memory=device.type == "cuda")
+        if old is not None:
+            self.host[:len(old)] = old
+        self.on_host = self.host.numpy()
+        self.device = self.host if device.type != "cuda" else torch.empty_like(self.host, device=device)
+        self.uploaded = 0 if device.type == "cuda" else len(self.host)
 
     def table(self, lo: int = 0, hi: int | None = None) -> SourceTable:
         """The table of sources[lo:hi]: ordered by dtype (at most two), addresses uploaded in one copy."""
@@ -198,6 +222,11 @@ class SourceList:
             raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
         order = a + b
         tensors = [self.tensors[lo + i] for i in order]
+        if not b or b[0] == len(a):       # in dtype order already: a slice of the addresses
+            if self.uploaded < hi:
+                self.device[self.uploaded:hi].copy_(self.host[self.uploaded:hi], non_blocking=True)
+                self.uploaded = hi
+            return SourceTable(tensors, order, len(a), self.device[lo:hi])
         device = tensors[0].device
         addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
         return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
