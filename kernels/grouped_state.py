@@ -89,9 +89,10 @@ class GroupRead(torch.autograd.Function):
         du_own, dgate = group.receivers_du()
         du = du + du_own                  # the committed sources' part (phase 1) + the receivers' own
         dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
-        params = []
-        for r, (router, q, g) in enumerate(zip(group.routers, dq.unbind(0), dg.unbind(0))):
-            params += [q, g] if router.gate is None else [q, g, dgate[r:r + 1].to(router.gate.dtype)]
+        per_param = [dq.unbind(0), dg.unbind(0)]   # in _params' order: per router its query, norm weight, gate
+        if group.gates is not None:
+            per_param.append(dgate.to(group.gates.dtype).view(-1, 1).unbind(0))   # each gate is (1,)
+        params = [grad for router in zip(*per_param) for grad in router]
         grads = (None, None, None, group.base_grad(like), *[bank.grad(k) for k in ctx.owned], *params)
         group.release()
         return grads

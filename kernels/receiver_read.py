@@ -314,16 +314,16 @@ class Read:
                          self.eps, self.norm_eps, DTYPES[self.r_dtype], DTYPES[self.x_dtype], self.has_state,
                          self.has_base, self.add, table is not None, self.saved_r is not None, self.device)
 
-    def args(self, static: dict, i: Inputs, **more) -> dict:
-        """A launch's keyword arguments: its static ones, the read's tensors and `more`; an absent tensor is
-        replaced by a placeholder its flag keeps unread."""
+    def args(self, static: dict, i: Inputs) -> dict:
+        """A launch's keyword arguments: its static ones and the read's tensors; an absent tensor is replaced by a
+        placeholder its flag keeps unread."""
         h = i.h
         return {**static, "table": h if self.table is None else self.table.addresses,   # h: never read
                 "state_ptr": h if i.state is None else i.state, "lse_c_ptr": self.lse_c, "h_ptr": h,
                 "base_ptr": h if i.base is None else i.base, "q_ptr": self.queries, "g_ptr": self.norm_weights,
                 "gate_ptr": i.weight if self.gates is None else self.gates, "w_ptr": i.weight, "lse_ptr": self.lse,
-                "null_ptr": i.weight if i.null is None else i.null, "r_ptr": h if self.saved_r is None else self.saved_r,
-                **more}
+                "null_ptr": i.weight if i.null is None else i.null,
+                "r_ptr": h if self.saved_r is None else self.saved_r}
 
     def reads(self, i: Inputs, backward: bool) -> list:
         """What a kernel reads of the read's inputs (for the launch observers): the backward reads the table twice
@@ -372,7 +372,9 @@ def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype) -> Tensor:
         saved = [slot_view(read.saved_r, read.slot, h)] if read.saved_r is not None else []
         return read.reads(i, backward=False), [y, read.lse[read.slot]] + saved
 
-    launch(_receiver_fwd, launches.grid, io, h.device, **read.args(launches.forward, i, y_ptr=y))
+    args = read.args(launches.forward, i)
+    args["y_ptr"] = y
+    launch(_receiver_fwd, launches.grid, io, h.device, **args)
     return y
 
 
@@ -400,11 +402,12 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads) -> tupl
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.has_base else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.has_state else [])
 
-    launch(_receiver_bwd, launches.programs, io, h.device, **read.args(
-        launches.backward, i, dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b,
-        dh_ptr=h if dh is None else dh, dbase_ptr=h if out.dbase is None else out.dbase, dbase_slot=out.dbase_slot,
-        go_ptr=h if out.go is None else out.go, D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr,
-        dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate,
-        accumulate=int(out.accumulate), SUMS=out.dsum is not None,
-        ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1))
+    args = read.args(launches.backward, i)
+    args.update(dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=h if dh is None else dh,
+                dbase_ptr=h if out.dbase is None else out.dbase, dbase_slot=out.dbase_slot,
+                go_ptr=h if out.go is None else out.go, D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr,
+                dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate,
+                accumulate=int(out.accumulate), SUMS=out.dsum is not None,
+                ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1)
+    launch(_receiver_bwd, launches.programs, io, h.device, **args)
     return dh, dweight.sum(0)

@@ -5,8 +5,9 @@
 
 A training step (forward, loss, backward) of the real model at the 1044M depth, with tiny tensors (d = 64, 1 x 16
 tokens: the tensor work is negligible) and every Triton launch skipped (kernels.launch.skipped_launches), runs on
-the CPU; its time is host time. Routing's host time is a method's step minus the baseline's (the baseline pays for
-its own sublayers, norms and autograd). Median of `repeats` steps after warm-up, one thread. Left out: Triton's own
+the CPU; its time is host time, counted as the process's CPU time (one thread), so that time a shared machine gives
+to other work is not counted. Routing's host time is a method's step minus the baseline's (the baseline pays for
+its own sublayers, norms and autograd). Median of `repeats` steps after warm-up. Left out: Triton's own
 launcher (binding the arguments and the driver call, some tens of microseconds per launch on a GPU machine), so
 the count of launches per step is printed beside; and on a GPU, allocations and the address tables' copies are
 asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x
@@ -40,12 +41,12 @@ class Stepper:
         self.launches = 0
 
     def step(self) -> float:
-        """Host seconds of one training step."""
+        """Host seconds (CPU time) of one training step."""
         with skipped_launches() as launches:
-            start = time.perf_counter()
+            start = time.process_time()
             F.cross_entropy(self.model(self.idx).flatten(0, 1), self.idx.flatten()).backward()
             self.model.zero_grad(set_to_none=True)
-            seconds = time.perf_counter() - start
+            seconds = time.process_time() - start
         self.launches = len(launches)
         return seconds
 
