@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.depth_route import depth_route  # noqa: E402
-from kernels.launch import observe_launches  # noqa: E402
+from kernels.launch import SourceList, observe_launches  # noqa: E402
 from kernels.grouped_state import GroupedDepthState  # noqa: E402
 from kernels.groups import fine_group_size  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
@@ -123,6 +123,33 @@ def test_kernel_reads_misaligned_sources_through_an_aligned_copy():
     assert_close(got, want, 1e-5, 1e-5)
     for g, w in zip(got_grads, torch.autograd.grad(want, sources, grad_out)):
         assert_close(g, w, 1e-5, 1e-5)
+
+
+def test_source_tables_are_slices_of_one_address_array():
+    """A SourceList writes each source's address once; a table whose sources are in dtype order is a slice of
+    that array (also past its first capacity, which doubles), any other table an array of its own in dtype
+    order, and every table keeps the addresses of its own sources."""
+    fp32 = [torch.randn(1, 2, 8) for _ in range(2)]
+    bf16 = [torch.randn(1, 2, 8).bfloat16() for _ in range(4)]
+    found = SourceList(capacity=2)
+    for s in [fp32[0], bf16[0], bf16[1], fp32[1], bf16[2], bf16[3]]:
+        found.append(s)
+    want = [t.data_ptr() for t in found.tensors]
+    assert len(found.host) == 8 and found.on_host[:6].tolist() == want
+    ordered = found.table(0, 3)                                    # fp32, bf16, bf16: in dtype order
+    assert ordered.addresses.tolist() == want[:3] and ordered.order == [0, 1, 2] and ordered.n_a == 1
+    assert ordered.addresses.untyped_storage().data_ptr() == found.device.untyped_storage().data_ptr()
+    tail = found.table(4)                                          # bf16, bf16
+    assert tail.addresses.tolist() == want[4:] and tail.n_a == 2
+    mixed = found.table(1, 5)                                      # bf16, bf16, fp32, bf16: reordered
+    assert mixed.order == [0, 1, 3, 2] and mixed.n_a == 3
+    assert mixed.addresses.tolist() == [want[1], want[2], want[4], want[3]]
+    assert mixed.addresses.untyped_storage().data_ptr() != found.device.untyped_storage().data_ptr()
+    early = found.table(0, 2)
+    for s in bf16[:3]:                                             # past the capacity: a new array
+        found.append(s)
+    assert len(found.host) == 16 and early.addresses.tolist() == want[:2]
+    assert found.table(6).addresses.tolist() == [t.data_ptr() for t in found.tensors[6:]]
 
 
 @pytest.mark.parametrize("bad,message", [
