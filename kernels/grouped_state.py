@@ -122,8 +122,9 @@ class ReceiverRead(torch.autograd.Function):
         read = spec.read
         y = receiver_forward(read, Inputs(h, base, state, weight, null),
                              torch.promote_types(weight.dtype, read.x_dtype))
-        ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)  # a saved r
-        ctx.spec, ctx.bank = spec, bank                                                            # for the state
+        # a saved r stands in for the state
+        ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)
+        ctx.spec, ctx.bank = spec, bank
         return y
 
     @staticmethod

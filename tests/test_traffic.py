@@ -3,6 +3,8 @@ arguments and write their outputs (views and allocations move nothing, a broadca
 launches move the tensors they describe, and the meter's routing bytes are a step's minus the baseline's; the
 lower bound (bound.py), the occupancy model (occupancy.py) and the host-time meter (host.py) on cases a hand
 count checks."""
+import platform
+
 import pytest
 import torch
 
@@ -131,6 +133,8 @@ def test_the_host_meter_counts_launches_and_routing_time():
     assert routed["seconds"] > 0 and base["seconds"] > 0
     paired = host.measure(("baseline", "delta_block"), repeats=2, shape=shape)
     assert paired["baseline"]["routing_seconds"] == 0 and paired["delta_block"]["launches"] == routed["launches"]
+    if platform.libc_ver()[0] == "glibc":                                # the meter's allocator keeps freed memory
+        assert host.keep_freed_memory()
 
 
 def test_skipped_launches_are_listed_and_never_described():

@@ -7,7 +7,10 @@ A training step (forward, loss, backward) of the real model at the 1044M depth, 
 tokens: the tensor work is negligible) and every Triton launch skipped (kernels.launch.skipped_launches), runs on
 the CPU; its time is host time, counted as the process's CPU time (one thread), so that time a shared machine gives
 to other work is not counted. Routing's host time is a method's step minus the baseline's (the baseline pays for
-its own sublayers, norms and autograd). Median of `repeats` steps after warm-up. Left out: Triton's own
+its own sublayers, norms and autograd). Median of `repeats` steps after warm-up. The C library's allocator is
+told to keep freed memory (glibc's mallopt): as a GPU's caching allocator does, so that the pages of a step's
+buffers are not handed back to the system and faulted in again at the next step (a cost a GPU run never pays,
+which on this machine made steps of one model differ by a few ms from process to process). Left out: Triton's own
 launcher (binding the arguments and the driver call, some tens of microseconds per launch on a GPU machine), so
 the count of launches per step is printed beside; and on a GPU, allocations and the address tables' copies are
 asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x
@@ -16,6 +19,8 @@ asynchronous, which the CPU's are not. The budget the project sets: at most 10 %
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import statistics
 import time
@@ -31,10 +36,23 @@ METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 BUDGET_S = 6.5e-3
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc never to trim freed memory back to the system nor to map large blocks apart (mallopt
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD): freed blocks are reused, as by a GPU's caching allocator. False where
+    the C library has no mallopt (not glibc): steps then pay page faults now and then."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is None:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(M_MMAP_THRESHOLD, 1 << 25))   # glibc's max
+
+
 class Stepper:
     """One method's model at the meter's shape, stepped (forward, loss, backward) with every launch skipped."""
 
     def __init__(self, residual: str, shape: dict = SHAPE, tokens: tuple[int, int] = (1, 16)):
+        keep_freed_memory()
         torch.manual_seed(0)
         self.model = Model(ModelConfig(**shape, residual=residual, kernel="triton"))
         self.idx = torch.randint(0, shape["vocab_size"], tokens)
