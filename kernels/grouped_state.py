@@ -30,8 +30,8 @@ from torch import Tensor
 from kernels.group_read import group_backward, group_forward
 from kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
 from kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
-from kernels.receiver_read import (NULL_LEARNED, NULL_NONE, NULL_ZERO, Inputs, Read, learned_null_grads,
-                                   receiver_backward, receiver_forward)
+from kernels.receiver_read import (NULL_LEARNED, NULL_NONE, NULL_ZERO, Inputs, Read, receiver_backward,
+                                   receiver_forward)
 from router import DepthState, Router
 
 
@@ -109,6 +109,23 @@ class Receiver:
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
     sums_group: bool                  # the group's first receiver, whose h~ is the group's base
     read: Read                        # the kernels' view of it (its tensors are the node's Inputs)
+
+
+def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
+                       lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
+    the softmax backward of a source that is the same vector n at every row,
+    dn = sum_rows a go + (sum_rows dz rstd) u - (sum_rows dz rstd) z rstd n / d and du += (sum_rows dz rstd) n,
+    with a = exp(z - lse), dz rstd = a (go . n - D) rstd (a few (M,) and (d,) ops: an option, not the paper's)."""
+    n, u = null.float(), query.float() * norm_weight.float()
+    rstd = torch.rsqrt(n.pow(2).mean() + eps)
+    z = (n @ u) * rstd
+    a = torch.exp(z - lse)                                                 # (M,)
+    go = go.float()
+    dz_rstd = a * (go @ n - D) * rstd
+    c = dz_rstd.sum()
+    return a @ go + c * u - c * z * rstd / n.numel() * n, c * n
+
 
 
 class ReceiverRead(torch.autograd.Function):

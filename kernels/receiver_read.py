@@ -229,22 +229,6 @@ def _row_stages(d: int) -> int:
     return 4 if d > 1024 else 6
 
 
-def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
-                       lse: Tensor) -> tuple[Tensor, Tensor]:
-    """The learned null source n's gradient and its term of du, from a receiver's go (M, d), D and lse (M,):
-    the softmax backward of a source that is the same vector n at every row,
-    dn = sum_rows a go + (sum_rows dz rstd) u - (sum_rows dz rstd) z rstd n / d and du += (sum_rows dz rstd) n,
-    with a = exp(z - lse), dz rstd = a (go . n - D) rstd (a few (M,) and (d,) ops: an option, not the paper's)."""
-    n, u = null.float(), query.float() * norm_weight.float()
-    rstd = torch.rsqrt(n.pow(2).mean() + eps)
-    z = (n @ u) * rstd
-    a = torch.exp(z - lse)                                                 # (M,)
-    go = go.float()
-    dz_rstd = a * (go @ n - D) * rstd
-    c = dz_rstd.sum()
-    return a @ go + c * u - c * z * rstd / n.numel() * n, c * n
-
-
 class Inputs(NamedTuple):
     """A read's tensors that its autograd node saves for its backward (so saved-tensor hooks see them)."""
     h: Tensor                         # (B, T, d) the stream h~ (and the partial block's minuend)
@@ -381,7 +365,7 @@ def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype) -> Tensor:
 def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads) -> tuple[Tensor | None, Tensor]:
     """Backward of receiver_forward into `out` (ReadGrads). Returns (dh, dweight) (dh None when h is unused);
     du's and dgate's partial sums are left in out.du and out.dgate for the group. A learned null's own gradient
-    and its du term are left to `learned_null_grads`, from go, D and lse."""
+    and its du term are left to grouped_state.learned_null_grads, from go, D and lse."""
     h, table, slot, launches = i.h, read.table, read.slot, read.launches
     uses_h = read.add or read.has_base or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
