@@ -171,10 +171,10 @@ class SourceList:
         self.tensors: list[Tensor] = []     # aligned, in commit order
         self.dtypes: list[torch.dtype] = []
         self.capacity = capacity            # of the first address array (it doubles when full)
-        self.host: Tensor | None = None     # (capacity,) int64: every source's address (pinned for a GPU's)
-        self.on_host = None                 # a numpy view of it: an item written costs no torch call
-        self.device: Tensor | None = None   # the same on the sources' device (the host array itself on a CPU)
-        self.uploaded = 0                   # addresses device[:uploaded] are current
+        self.host_addresses: Tensor | None = None     # (capacity,) int64: each source's (pinned for a GPU's)
+        self.host_view = None                         # a numpy view of it: an item written costs no torch call
+        self.device_addresses: Tensor | None = None   # the same on the sources' device (on a CPU: host_addresses)
+        self.uploaded = 0                             # device_addresses[:uploaded] are current
 
     def append(self, s: Tensor) -> None:
         """Check s against the first source (shape, device, a dtype the kernels take) and keep it aligned."""
@@ -191,23 +191,23 @@ class SourceList:
             raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
                              f"got {s.dtype} (the reference router.depth_route takes any float dtype)")
         s = aligned(s)
-        if self.host is None or i == len(self.host):
+        if self.host_addresses is None or i == len(self.host_addresses):
             self._grow(s.device)
-        self.on_host[i] = s.data_ptr()
+        self.host_view[i] = s.data_ptr()
         self.tensors.append(s)
         self.dtypes.append(s.dtype)
 
     def _grow(self, device: torch.device) -> None:
         """Room for `capacity` addresses, then twice as many, the ones written so far copied; earlier tables keep
         the arrays they are slices of."""
-        old = self.host
-        self.host = torch.zeros(self.capacity if old is None else 2 * len(old), dtype=torch.int64,
-                                pin_memory=device.type == "cuda")
+        old = self.host_addresses
+        host = torch.zeros(self.capacity if old is None else 2 * len(old), dtype=torch.int64,
+                           pin_memory=device.type == "cuda")
         if old is not None:
-            self.host[:len(old)] = old
-        self.on_host = self.host.numpy()
-        self.device = self.host if device.type != "cuda" else torch.empty_like(self.host, device=device)
-        self.uploaded = 0 if device.type == "cuda" else len(self.host)
+            host[:len(old)] = old
+        self.host_addresses, self.host_view = host, host.numpy()
+        self.device_addresses = torch.empty_like(host, device=device) if device.type == "cuda" else host
+        self.uploaded = 0 if device.type == "cuda" else len(host)
 
     def table(self, lo: int = 0, hi: int | None = None) -> SourceTable:
         """The table of sources[lo:hi]: ordered by dtype (at most two), addresses uploaded in one copy."""
@@ -224,9 +224,10 @@ class SourceList:
         tensors = [self.tensors[lo + i] for i in order]
         if not b or b[0] == len(a):       # in dtype order already: a slice of the addresses
             if self.uploaded < hi:
-                self.device[self.uploaded:hi].copy_(self.host[self.uploaded:hi], non_blocking=True)
+                up = slice(self.uploaded, hi)
+                self.device_addresses[up].copy_(self.host_addresses[up], non_blocking=True)
                 self.uploaded = hi
-            return SourceTable(tensors, order, len(a), self.device[lo:hi])
+            return SourceTable(tensors, order, len(a), self.device_addresses[lo:hi])
         device = tensors[0].device
         addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
         return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))

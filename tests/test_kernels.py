@@ -135,20 +135,20 @@ def test_source_tables_are_slices_of_one_address_array():
     for s in [fp32[0], bf16[0], bf16[1], fp32[1], bf16[2], bf16[3]]:
         found.append(s)
     want = [t.data_ptr() for t in found.tensors]
-    assert len(found.host) == 8 and found.on_host[:6].tolist() == want
+    assert len(found.host_addresses) == 8 and found.host_view[:6].tolist() == want
     ordered = found.table(0, 3)                                    # fp32, bf16, bf16: in dtype order
     assert ordered.addresses.tolist() == want[:3] and ordered.order == [0, 1, 2] and ordered.n_a == 1
-    assert ordered.addresses.untyped_storage().data_ptr() == found.device.untyped_storage().data_ptr()
+    assert ordered.addresses.untyped_storage().data_ptr() == found.device_addresses.untyped_storage().data_ptr()
     tail = found.table(4)                                          # bf16, bf16
     assert tail.addresses.tolist() == want[4:] and tail.n_a == 2
     mixed = found.table(1, 5)                                      # bf16, bf16, fp32, bf16: reordered
     assert mixed.order == [0, 1, 3, 2] and mixed.n_a == 3
     assert mixed.addresses.tolist() == [want[1], want[2], want[4], want[3]]
-    assert mixed.addresses.untyped_storage().data_ptr() != found.device.untyped_storage().data_ptr()
+    assert mixed.addresses.untyped_storage().data_ptr() != found.device_addresses.untyped_storage().data_ptr()
     early = found.table(0, 2)
     for s in bf16[:3]:                                             # past the capacity: a new array
         found.append(s)
-    assert len(found.host) == 16 and early.addresses.tolist() == want[:2]
+    assert len(found.host_addresses) == 16 and early.addresses.tolist() == want[:2]
     assert found.table(6).addresses.tolist() == [t.data_ptr() for t in found.tensors[6:]]
 
 
