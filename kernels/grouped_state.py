@@ -102,13 +102,16 @@ class GroupRead(torch.autograd.Function):
 class Receiver:
     """One receiver's read: its group and slot, its own sources (sources[first:...]) and how it mixes."""
     group: Group
-    slot: int
     first: int
     owned: list[int]
     accumulate: bool                  # False only for the very last receiver: its backward runs first
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
     sums_group: bool                  # the group's first receiver, whose h~ is the group's base
     read: Read                        # the kernels' view of it (its tensors are the node's Inputs)
+
+    @property
+    def slot(self) -> int:            # its row of the group's buffers
+        return self.read.slot
 
 
 def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: float, go: Tensor, D: Tensor,
@@ -297,7 +300,7 @@ class GroupedDepthState(DepthState):
         read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.gates, null.value,
                     self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M, self.h.shape[-1],
                     self.h.dtype, self.h.device, group.saved_r if saves_r else None)
-        spec = Receiver(group, slot, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
+        spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
                         receiver == group.first_receiver and self.h is group.base, read)
         return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
                                   *[self.sources[k] for k in owned])

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from kernels.group_read import receivers_per_pass
 from kernels.launch import SourceTable, slots
-from kernels.receiver_read import ReadGrads, partial_programs
+from kernels.receiver_read import ReadGrads, backward_wave
 from router import Policy, Router
 
 
@@ -131,7 +131,7 @@ class Group:
             if self.dbase_slots:
                 self.dbase = slots(n, like, self.state_dtype)
             M, d = like.numel() // like.shape[-1], like.shape[-1]
-            self.du = torch.empty(n, partial_programs(M, d, like.device), d, dtype=torch.float32, device=like.device)
+            self.du = torch.empty(n, backward_wave(M, d, like.device)[0], d, dtype=torch.float32, device=like.device)
             self.dgate = torch.empty(n, self.du.shape[1], dtype=torch.float32, device=like.device)
 
     # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its

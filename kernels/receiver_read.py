@@ -258,7 +258,7 @@ def _launches(n_a: int, n_b: int, a_dtype: tl.dtype, b_dtype: tl.dtype, slot: in
                   X_DTYPE=x_dtype, HAS_STATE=has_state, HAS_DIFF=has_base, ADD=add, HAS_TABLE=has_table,
                   R_SAVED=r_saved)
     forward, backward = _receiver_config(M, d, backward=False), _receiver_config(M, d, backward=True)
-    programs, tiles = wave(cdiv(M, backward["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)
+    programs, tiles = backward_wave(M, d, device)
     return Launches(dict(shared, **forward), dict(shared, **backward, tiles=tiles), cdiv(M, forward["BLOCK_M"]),
                     programs)
 
@@ -326,7 +326,7 @@ class ReadGrads:
     kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
     lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
-    programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (partial_programs),
+    programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (backward_wave),
     row `slot` this receiver's."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
@@ -339,10 +339,11 @@ class ReadGrads:
     dsum: tuple[Tensor, int, int] | None = None
 
 
-def partial_programs(M: int, d: int, device: torch.device) -> int:
-    """The receiver backward's programs at M rows of width d: its per-program partial sums are (programs, d)."""
+def backward_wave(M: int, d: int, device: torch.device) -> tuple[int, int]:
+    """(programs, row tiles per program) of the receiver backward at M rows of width d, one wave: its
+    per-program partial sums are (programs, d)."""
     cfg = _receiver_config(M, d, backward=True)
-    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)[0]
+    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)
 
 
 def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype) -> Tensor:
