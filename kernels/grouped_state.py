@@ -22,6 +22,7 @@ model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelC
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -51,6 +52,16 @@ def _take(ctx, *names: str) -> list:
     for name in names:
         delattr(ctx, name)
     return values
+
+
+def _direct(function: type[torch.autograd.Function]) -> Callable:
+    """function.apply less its Python wrapper, which passes every argument through functorch's unwrapping (some us
+    a call, 80 calls a step): the engine's own apply, or the wrapper itself while a functorch transform is active."""
+    direct = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+
+    def apply(*args):
+        return function.apply(*args) if torch._C._are_functorch_transforms_active() else direct(*args)
+    return apply
 
 
 class GroupRead(torch.autograd.Function):
@@ -183,6 +194,9 @@ class BlockDelta(torch.autograd.Function):
         return torch.mul(grad, 1.0, out=up), torch.mul(grad, -1.0, out=down), None
 
 
+_group_read, _receiver_read, _block_delta = map(_direct, (GroupRead, ReceiverRead, BlockDelta))
+
+
 class GroupedDepthState(DepthState):
     """router.DepthState with grouped, fused reads (when given the sublayer's pre-norm). It keeps no running
     partial block: the partial is h~ - block_start where a read or a commit needs it."""
@@ -231,7 +245,7 @@ class GroupedDepthState(DepthState):
             return super().new_source()
         if len(self.outputs_since_commit) == 1:                      # one output: the source is that output
             return self.outputs_since_commit[0]
-        return BlockDelta.apply(self.h, self.block_start, self.outputs_since_commit[-1].dtype)
+        return _block_delta(self.h, self.block_start, self.outputs_since_commit[-1].dtype)
 
     def commit_block(self) -> None:
         n = len(self.sources)
@@ -258,8 +272,8 @@ class GroupedDepthState(DepthState):
             owned = self._claim(range(len(committed)))
             # the group's output is kept here, never on the group: the group is in the node's context, and a
             # tensor whose grad_fn is that node would close a cycle no collector sees
-            self.group_output = GroupRead.apply(group, self.bank, owned, self.block_start,
-                                                *[committed[k] for k in owned], *_params(routers))
+            self.group_output = _group_read(group, self.bank, owned, self.block_start,
+                                            *[committed[k] for k in owned], *_params(routers))
             self.group = group
         return self.group
 
@@ -302,8 +316,8 @@ class GroupedDepthState(DepthState):
                     self.h.dtype, self.h.device, group.saved_r if saves_r else None)
         spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
                         receiver == group.first_receiver and self.h is group.base, read)
-        return ReceiverRead.apply(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
-                                  *[self.sources[k] for k in owned])
+        return _receiver_read(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
+                              *[self.sources[k] for k in owned])
 
     # Reads hold Python state across autograd nodes (groups, the gradient bank) and launch kernels through
     # address tables: a graph traced around the whole model breaks here instead of tracing them.
