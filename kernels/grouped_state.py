@@ -15,7 +15,10 @@ runs the same policy with the kernels of kernels/group_read.py:
 - gradients of sources never pass through autograd per receiver: every kernel adds its sources' gradients in
   place into one accumulator per source (`GradBank`), and only the first node that read a source in the forward
   (the last to run backward) returns that accumulator to autograd, once. The partial block's gradient goes to h~
-  in each receiver and, negated, to its base: summed over the group and returned once by the group's node.
+  in each receiver and, negated, to its base: summed over the group and returned once by the group's node;
+- where a sublayer output v_l is the next receiver's newest source (fine-grained methods), that receiver's node
+  also makes the stream's add h~_{l+1} = h~_l + v_l, so that its backward adds the stream's gradient into v_l's
+  accumulator in one op (GroupedDepthState.add says why).
 
 model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelConfig.kernel == "triton".
 """
@@ -119,6 +122,7 @@ class Receiver:
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
     sums_group: bool                  # the group's first receiver, whose h~ is the group's base
     read: Read                        # the kernels' view of it (its tensors are the node's Inputs)
+    adds: bool = False                # its node makes h~ = h~_l + v_l (GroupedDepthState.add)
 
     @property
     def slot(self) -> int:            # its row of the group's buffers
@@ -151,20 +155,25 @@ class ReceiverRead(torch.autograd.Function):
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor,
                 null: Tensor | None, *owned: Tensor) -> Tensor:
         read = spec.read
+        if spec.adds:                     # h is h~_l and owned[-1] v_l: h~_{l+1} = h~_l + v_l, an output
+            h = h + owned[-1]
         y = receiver_forward(read, Inputs(h, base, state, weight, null),
                              torch.promote_types(weight.dtype, read.x_dtype))
         # a saved r stands in for the state
         ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)
         ctx.spec, ctx.bank = spec, bank
-        return y
+        return (y, h) if spec.adds else y
 
     @staticmethod
-    def backward(ctx, dy: Tensor):
+    def backward(ctx, dy: Tensor, dh_stream: Tensor | None = None):
         inputs = Inputs(*ctx.saved_tensors)
         spec, bank = _take(ctx, "spec", "bank")
         group, read, h, base, null = spec.group, spec.read, inputs.h, inputs.base, inputs.null
         grads = group.receiver_grads(spec, h, base, bank.pointers(read.table, spec.first))
         dh, dweight = receiver_backward(read, inputs, aligned(dy), grads)
+        if spec.adds:                     # dL/dh~_{l+1}: the read's and the stream's (its later users')
+            dh = dh_stream if dh is None else dh.add_(dh_stream)
+            bank.grad(spec.owned[-1]).add_(dh)   # v_l's: every reader's (kernels added them) + the stream's
         dnull, dbase = None, None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
             go = slot_view(group.go, spec.slot, h).view(read.M, -1)
@@ -201,6 +210,8 @@ class GroupedDepthState(DepthState):
     """router.DepthState with grouped, fused reads (when given the sublayer's pre-norm). It keeps no running
     partial block: the partial is h~ - block_start where a read or a commit needs it."""
 
+    unadded: Tensor | None = None     # v_l, which the next receiver's node adds to h~_l (add)
+
     def __init__(self, *args, group_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         n_sublayers = len(self.routers) + self.policy.reads_from - int(self.policy.final_read)
@@ -215,6 +226,11 @@ class GroupedDepthState(DepthState):
         self.members: dict[int, list[int]] = {}   # group -> its receivers
         for receiver, g in enumerate(self.plan):
             self.members.setdefault(g, []).append(receiver)
+        first = {members[0] for members in self.members.values()}
+        last = len(self.plan) - int(self.policy.final_read)      # the final read commits nothing
+        self.adders = {r for r, g in enumerate(self.plan[:last]) if g >= 0 and commits[r] and r not in first} \
+            if self.observer is None and not self.policy.commit_after_read and self.policy.sources == "deltas" \
+            and self.policy.block_source == "boundary" else set()    # receivers whose node makes h~ (add)
         self.router_list = list(self.routers)   # indexed at every read: cheaper than the ModuleList
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
@@ -231,10 +247,32 @@ class GroupedDepthState(DepthState):
     def router(self) -> Router:
         return self.router_list[self.l - self.policy.reads_from]
 
+    # The stream's add h~_{l+1} = h~_l + v_l, where v_l is the next receiver's newest own source (fine-grained
+    # methods, in a group's second and later receivers: `adders`), is made by that receiver's node. Its backward
+    # then has the stream's gradient dL/dh~_{l+1}, and adds it to v_l's accumulator in one op (reading the fp32
+    # gradient and the accumulator, writing it: 8 bytes an element), where autograd would round it to v_l's dtype
+    # (6) and then add the bank's gradient of v_l (6). One rounding of the sum instead of two. Any other reader
+    # of h~ meanwhile (the h property) has the add made as usual.
+
+    def settled(self) -> Tensor:
+        """h~, an output still to add added now, as autograd adds (for any reader but the receiver that adds it)."""
+        if self.unadded is not None:
+            self._h, self.unadded = self._h + self.unadded, None
+        return self._h
+
+    def _set_h(self, value: Tensor) -> None:
+        self._h = value
+
+    h = property(settled, _set_h)
+
     def add(self, v: Tensor) -> None:
         if self.policy.commit_after_read:
             self.commit_block()
-        self.h = self.h + v
+        h = self.h
+        if self.l + 1 - self.policy.reads_from in self.adders and not self.outputs_since_commit:
+            self.unadded = v              # v_l alone will be the next source: the next receiver's node adds it
+        else:
+            self.h = h + v
         if self.tracks_sources:
             self.partial = v              # marks a non-empty partial block; its value is h~ - block_start
             self.outputs_since_commit.append(v)
@@ -253,7 +291,8 @@ class GroupedDepthState(DepthState):
         if len(self.sources) > n:
             self.bank.add(self.sources[-1])
             self.source_list.append(self.sources[-1])
-            self.block_start, self.outputs_since_commit = self.h, []
+            # with v_l still to add, the receiver that adds it sets the block's start, h~_{l+1}
+            self.block_start, self.outputs_since_commit = self._h if self.unadded is None else None, []
 
     def _claim(self, indices: range) -> list[int]:
         """The sources among `indices` that no earlier node reads: the reading node returns their gradients."""
@@ -278,6 +317,9 @@ class GroupedDepthState(DepthState):
         return self.group
 
     def _read(self, norm: nn.Module, add: bool) -> Tensor:
+        adds = self.unadded is not None   # this receiver's node adds v_l, its newest source, to the stream (add)
+        h = self._h                       # h~_l if it adds, else h~
+        h_dtype = torch.promote_types(h.dtype, self.unadded.dtype) if adds else h.dtype
         router = self.router()
         receiver = self.l - self.policy.reads_from
         if self.observer is not None:
@@ -288,7 +330,7 @@ class GroupedDepthState(DepthState):
         base = None
         if self.partial is not None and self.policy.include_partial:   # the partial's source is h~ - base
             if self.policy.sources == "states":
-                base = torch.zeros_like(self.h)                            # the current state h~ itself
+                base = torch.zeros_like(h)                                 # the current state h~ itself
             else:
                 base = self.sources[-1] if self.policy.block_source == "paper" else self.block_start
         base_to_group = base is group.base
@@ -297,7 +339,7 @@ class GroupedDepthState(DepthState):
         r_dtype = self.sources[0].dtype
         x_dtype = r_dtype
         if add:
-            x_dtype = torch.promote_types(self.h.dtype, r_dtype if router.gate is None
+            x_dtype = torch.promote_types(h_dtype, r_dtype if router.gate is None
                                           else torch.promote_types(router.gate.dtype, r_dtype))
         table = self.source_list.table(group.n_committed) if own else None
         # A receiver whose backward would read the state and its own sources again keeps its forward's r (one row in
@@ -307,23 +349,30 @@ class GroupedDepthState(DepthState):
         saves_r = table is not None and 2 * r_dtype.itemsize < group.state_dtype.itemsize + sum(
             t.element_size() for t in table.tensors)
         if saves_r and group.saved_r is None:
-            group.saved_r = slots(len(group.routers), self.h, r_dtype)
+            group.saved_r = slots(len(group.routers), h, r_dtype)
         learned_null = router.null if self.policy.null_source else None
         null = NULL_NONE if not self.policy.null_source else NULL_ZERO if learned_null is None else NULL_LEARNED
         slot = receiver - group.first_receiver
         read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.gates, null.value,
-                    self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M, self.h.shape[-1],
-                    self.h.dtype, self.h.device, group.saved_r if saves_r else None)
+                    self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M, h.shape[-1],
+                    h_dtype, h.device, group.saved_r if saves_r else None)
+        assert not adds or (base is None and owned[-1] == len(self.sources) - 1), "v_l is not the newest own source"
         spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
-                        receiver == group.first_receiver and self.h is group.base, read)
-        return _receiver_read(spec, self.bank, self.h, base, self.group_output, norm.weight, learned_null,
-                              *[self.sources[k] for k in owned])
+                        receiver == group.first_receiver and h is group.base, read, adds)
+        out = _receiver_read(spec, self.bank, h, base, self.group_output, norm.weight, learned_null,
+                             *[self.sources[k] for k in owned])
+        if not adds:
+            return out
+        y, h = out                        # h~_{l+1}, made by the node
+        self.unadded, self._h, self.block_start = None, h, h
+        return y
 
     # Reads hold Python state across autograd nodes (groups, the gradient bank) and launch kernels through
     # address tables: a graph traced around the whole model breaks here instead of tracing them.
     @torch.compiler.disable
     def input(self, norm: nn.Module | None = None) -> Tensor:
         if norm is None or not self.reads() or self.l < self.policy.sources_from:
+            self.settled()                # before the commit: the block's start is then h~
             return super().input(norm)
         self.commit()
         return self._read(norm, add=self.policy.read == "add")

@@ -259,6 +259,29 @@ def test_phase_one_on_split_rows(d, nan_empty):
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)
 
 
+@pytest.mark.parametrize("peek", [False, True], ids=["receivers-add", "stream-read-between"])
+def test_a_receiver_that_makes_the_streams_add_gives_the_reference_gradients(peek, monkeypatch, nan_empty):
+    """A fine-grained group's later receivers make the stream's add for their newest source (GroupedDepthState.add)
+    and add its gradient into that source's accumulator: every input and gradient as the reference's. Read between
+    the add and the read (state.h), the stream is made as autograd makes it, and no receiver adds."""
+    made, outputs = [], []
+    read, add = GroupedDepthState._read, GroupedDepthState.add
+
+    def counted_read(self, norm, add):
+        made.append(self.unadded is not None)
+        return read(self, norm, add)
+
+    def peeking_add(self, v):
+        add(self, v)
+        outputs.append(v)
+        torch.testing.assert_close(self.h, self.sources[0] + sum(outputs))     # h~ = e + every output so far
+    monkeypatch.setattr(GroupedDepthState, "_read", counted_read)
+    if peek:
+        monkeypatch.setattr(GroupedDepthState, "add", peeking_add)
+    assert_grouped_matches_reference(("delta", {"null_source": True}, 3, {"gate": True}), 0.3)
+    assert len(made) == 8 and any(made) != peek, made
+
+
 def assert_grouped_matches_reference(case, scale_of_logits, d=96):
     got_ys, got_grads = run_state(GroupedDepthState, *case, scale_of_logits, d)
     want_ys, want_grads = run_state(DepthState, *case, scale_of_logits, d)

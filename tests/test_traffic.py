@@ -15,7 +15,7 @@ from kernels.tools.bound import lower_bound
 from kernels.tools.occupancy import LATENCY_S, MAX_EFFICIENCY, Occupancy, occupancy
 from kernels.tools.traffic import (METHODS, SHAPE_1044M, ByteCounter, count_step, dry_step, measure, occupancy_ratio,
                                    predicted_ratio)
-from model import ModelConfig
+from model import Model, ModelConfig
 
 
 def test_torch_ops_count_their_arguments_and_outputs():
@@ -148,3 +148,23 @@ def test_skipped_launches_are_listed_and_never_described():
     assert names == ["_route_fwd"] and not described
     assert not torch.allclose(out, torch.stack(sources).mean(0))          # skipped: r is never computed
     assert torch.allclose(depth_route(sources, query, norm_weight), torch.stack(sources).mean(0), atol=1e-6)
+
+
+def test_fine_grained_receivers_add_the_streams_gradient_to_their_newest_source_once():
+    """Delta AttnRes, 4 layers (8 sublayers, receivers in groups): each receiver but a group's first makes the
+    stream's add for the output it reads as its newest source, so autograd neither rounds that add's fp32 gradient
+    to the output's bf16 (6 d bytes a token) nor adds it to the bank's gradient (6 d): the node adds dL/dh~ from
+    the stream to its own dh (12 d, the sum autograd made) and then into the output's accumulator (8 d). The
+    forward's adds are the baseline's, wherever they are made."""
+    d = 64
+    shape = dict(vocab_size=64, d_model=d, n_layers=4, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128)
+    cfg = ModelConfig(**shape, residual="delta", kernel="triton")
+    state = Model(cfg).depth_state(torch.zeros(1, 8, d))
+    adders = len(state.plan) - len(set(state.plan))          # every receiver but each group's first
+    assert sorted(state.adders) == [r for r in range(1, len(state.plan)) if state.plan[r] == state.plan[r - 1]]
+    assert adders >= 4, state.plan
+    step = count_step(cfg, (1, 8)).bytes
+    base = count_step(ModelConfig(**shape, residual="baseline", kernel="triton"), (1, 8)).bytes
+    assert step[("forward", "torch add")] == base[("forward", "torch add")]
+    assert base[("backward", "torch _to_copy")] - step[("backward", "torch _to_copy")] == 6 * d * adders * 8
+    assert step[("backward", "torch add_")] == (12 + 8) * d * adders * 8
