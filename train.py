@@ -114,11 +114,11 @@ class NonFiniteError(cli.UserError, FloatingPointError):
     resume from."""
 
 
-class RankTimeoutError(cli.UserError, TimeoutError):
+class RankTimeoutError(cli.RankFailureError, TimeoutError):
     """Under torchrun: a collective waited more than dist_timeout_s for a rank that hung or died."""
 
 
-class RankLostError(cli.UserError, ConnectionError):
+class RankLostError(cli.RankFailureError, ConnectionError):
     """Under torchrun: another rank ended while this one waited for it."""
 
 

@@ -14,6 +14,11 @@ The subclasses below name a kind of mistake and also derive from the builtin exc
 `except FileNotFoundError` still catches a missing file. Others live where their mistakes are found:
 config.ConfigError, shards.DataError, checkpoint.CheckpointError, files.DamagedFileError. Command-line
 arguments that argparse reads are argparse's to refuse (positive_int is a type for it).
+
+A RankFailureError (under torchrun, another rank hung or died) ends the process at once once its line is out
+(os._exit, no interpreter shutdown): the collective that failed may still be running on a worker thread of the
+process group, and Python's own exit frees the group while holding the GIL, which gloo's destructor then waits
+on while it joins that thread, which waits for the GIL: the job would hang, the very thing the error reports.
 """
 from __future__ import annotations
 
@@ -43,6 +48,11 @@ class MissingPackageError(UserError, ModuleNotFoundError):
     """An optional package that a chosen option needs is not installed."""
 
 
+class RankFailureError(UserError):
+    """Under torchrun, another rank hung or died (train.RankTimeoutError, train.RankLostError): `run` ends the
+    process without Python's shutdown (see the module doc)."""
+
+
 def positive_int(text: str) -> int:
     """An argparse `type`: an integer >= 1; argparse reports anything else as a usage error of its own."""
     try:
@@ -68,5 +78,9 @@ def run(main: Callable[[list[str]], object]) -> None:
     except UserError as error:
         if speaks:
             print(f"{prog}: error: {error}", file=sys.stderr)
+        if isinstance(error, RankFailureError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         sys.exit(1)
     sys.exit(status if isinstance(status, int) else 0)

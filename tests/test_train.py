@@ -343,6 +343,16 @@ def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
     assert proc.stderr.endswith("ValueError: an internal check failed\n") and "error:" not in proc.stderr
 
 
+def test_a_rank_failure_ends_the_process_even_while_a_thread_holds_up_pythons_exit():
+    """What gloo's worker thread does after a timed-out collective, here a thread that never ends: a normal exit
+    would wait for it forever."""
+    code = ("import threading\nfrom infra import cli\ndef main(argv):\n"
+            "    threading.Thread(target=threading.Event().wait).start()\n"
+            "    raise cli.RankFailureError('rank 0 waited more than dist_timeout_s=5s')\ncli.run(main)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (1, "-c: error: rank 0 waited more than dist_timeout_s=5s\n")
+
+
 def cli_run(monkeypatch, capsys, main, rank: str = "0") -> tuple[int, str]:
     """(exit status, stderr) of cli.run(main) as the command `prog.py`, on torchrun's rank `rank`."""
     monkeypatch.setattr(sys, "argv", ["prog.py"])
