@@ -57,6 +57,11 @@ def _take(ctx, *names: str) -> list:
     return values
 
 
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype), without Tensor.to's argument parsing (a few us a call, twice a receiver) where t has it."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _direct(function: type[torch.autograd.Function]) -> Callable:
     """function.apply less its Python wrapper, which passes every argument through functorch's unwrapping (some us
     a call, 80 calls a step): the engine's own apply, or the wrapper itself while a functorch transform is active."""
@@ -180,10 +185,10 @@ class ReceiverRead(torch.autograd.Function):
             dnull, du_null = learned_null_grads(null, group.queries[spec.slot], group.norm_weights[spec.slot],
                                                 read.eps, go, group.D[spec.slot], group.lse[spec.slot])
             group.du[spec.slot, 0] += du_null
-            dnull = dnull.to(null.dtype)
+            dnull = _cast(dnull, null.dtype)
         if base is not None and not spec.base_to_group:   # else the group's node returns the base's gradient
             dbase = slot_view(grads.dbase, 0, base)
-        return (None, None, dh, dbase, None, dweight.to(inputs.weight.dtype), dnull,
+        return (None, None, dh, dbase, None, _cast(dweight, inputs.weight.dtype), dnull,
                 *[bank.grad(k) for k in spec.owned])
 
 

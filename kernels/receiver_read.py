@@ -11,7 +11,7 @@ its sublayer's pre-norm in the same kernel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -289,14 +289,16 @@ class Read:
     saved_r: Tensor | None = None     # (R, slab) the group's saved read-outs (row `slot`: this receiver's r, in
     # r_dtype, written forward and read backward in place of the state and the table's second pass), or None
 
-    @functools.cached_property
-    def launches(self) -> Launches:
+    launches: Launches = field(init=False, repr=False)   # what its two launches take that its kind fixes
+
+    def __post_init__(self) -> None:                  # every read launches: made at once (no cached_property's lock)
         table, M, d = self.table, self.M, self.d
         n_a, n_b = (table.n_a, len(table.tensors) - table.n_a) if table is not None else (0, 0)
         a, b = (table.dtype(0), table.dtype(1)) if table is not None else (DTYPES[self.h_dtype],) * 2
-        return _launches(n_a, n_b, a, b, self.slot, slab_of(M * d), M, d, self.gates is not None, self.null,
-                         self.eps, self.norm_eps, DTYPES[self.r_dtype], DTYPES[self.x_dtype], self.has_state,
-                         self.has_base, self.add, table is not None, self.saved_r is not None, self.device)
+        self.launches = _launches(n_a, n_b, a, b, self.slot, slab_of(M * d), M, d, self.gates is not None,
+                                  self.null, self.eps, self.norm_eps, DTYPES[self.r_dtype], DTYPES[self.x_dtype],
+                                  self.has_state, self.has_base, self.add, table is not None,
+                                  self.saved_r is not None, self.device)
 
     def args(self, static: dict, i: Inputs) -> dict:
         """A launch's keyword arguments: its static ones and the read's tensors; an absent tensor is replaced by a
