@@ -15,7 +15,7 @@ The subclasses below name a kind of mistake and also derive from the builtin exc
 config.ConfigError, shards.DataError, checkpoint.CheckpointError, files.DamagedFileError. Command-line
 arguments that argparse reads are argparse's to refuse (positive_int is a type for it).
 
-A RankFailureError (under torchrun, another rank hung or died) ends the process at once once its line is out
+A RankFailureError (under torchrun, another rank hung or died) ends the process as soon as its line is printed
 (os._exit, no interpreter shutdown): the collective that failed may still be running on a worker thread of the
 process group, and Python's own exit frees the group while holding the GIL, which gloo's destructor then waits
 on while it joins that thread, which waits for the GIL: the job would hang, the very thing the error reports.
