@@ -20,11 +20,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction, InterpreterError
+from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, InterpreterError, TensorHandle
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -124,8 +125,23 @@ def _call_helper(self: InterpretedFunction, *args, **kwargs):
         raise InterpreterError(repr(e)) from e
 
 
+_interpreted_cast = InterpreterBuilder.cast_impl
+
+
+def _cast_rounded(self: InterpreterBuilder, src: TensorHandle, dst_type: tl.dtype) -> TensorHandle:
+    """A cast in an interpreted kernel, fp32 -> bf16 rounded to nearest even, as a GPU's conversion (and torch's)
+    rounds it: Triton's interpreter truncates it, which would make every bf16 value an interpreted kernel writes
+    differ from the GPU's in half the cases (and a bf16 stream drift toward zero, add by add)."""
+    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+        return _interpreted_cast(self, src, dst_type)
+    values = torch.from_numpy(np.array(src.data, dtype=np.float32).reshape(-1))   # a copy: writable, contiguous
+    bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)   # bf16 is held as uint16 there
+    return TensorHandle(bits.reshape(np.shape(src.data)), dst_type.scalar)
+
+
 if interpreting():
     InterpretedFunction.__call__ = _call_helper
+    InterpreterBuilder.cast_impl = _cast_rounded
 
 
 def aligned(t: Tensor) -> Tensor:

@@ -10,6 +10,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"   # must be set before triton decorates the kernels
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kernels.depth_route import depth_route  # noqa: E402
 from kernels.launch import SourceList, observe_launches  # noqa: E402
@@ -57,10 +59,10 @@ def assert_close(got, want, rtol, atol_scale):
 
 
 # fp32: both paths accumulate in fp32 in a different order: 1e-5 of the tensor's scale.
-# bf16: the reference upcasts to fp32 and rounds its results to bf16 once (<= 0.5 ulp); the kernels round
-# the same fp32 values, but the interpreter's fp32->bf16 cast truncates (< 1 ulp), so results may differ by
-# 1.5 bf16 ulp = 1.5 * 2^-7 relative; we allow 2 ulp (2^-6). The query and norm weight gradients are fp32 sums
-# in both paths and keep the fp32 tolerance.
+# bf16: the reference upcasts to fp32 and rounds its results to bf16 once (<= 0.5 ulp); the kernels round fp32
+# values summed in another order, to nearest as a GPU does (the interpreter too: kernels/launch.py), so results
+# may differ by 1 bf16 ulp = 2^-7 relative where those values straddle a rounding point; we allow 2 ulp (2^-6).
+# The query and norm weight gradients are fp32 sums in both paths and keep the fp32 tolerance.
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -6, 1e-5)}
 
 
@@ -173,6 +175,29 @@ def test_kernel_on_cpu_without_interpreter_says_how_to_run():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode != 0 and "set TRITON_INTERPRET=1" in run.stderr
+
+
+@triton.jit
+def _rounds(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(y_ptr + offs, x.to(tl.bfloat16))       # a cast
+    tl.store(z_ptr + offs, x)                       # a store's conversion to the pointer's dtype
+
+
+def test_kernels_round_fp32_to_bfloat16_to_nearest_even_as_torch_does():
+    """Under the interpreter as on a GPU: Triton's interpreter truncates, which kernels/launch.py corrects. Ties
+    go to even; both signs, subnormals, the largest values (to inf), inf and nan."""
+    one_ulp = 2.0 ** -7                               # of bf16 at 1.0
+    ties = [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2)]
+    x = torch.cat([torch.randn(1000, generator=torch.Generator().manual_seed(0)),
+                   torch.tensor(ties + [1 + 0.6 * one_ulp, 3.39e38, 1e-40, -1e-40, -0.0, float("inf"), float("nan")])])
+    x = torch.cat([x, torch.zeros(1024 - len(x))]).to(DEVICE)
+    y, z = (torch.empty(1024, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    _rounds[(1,)](x, y, z, N=1024)
+    want = x.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(y.view(torch.int16), want) and torch.equal(z.view(torch.int16), want)
+    assert y[1000:1003].tolist() == [1.0, 1 + 2 * one_ulp, -1.0]                      # ties to even
 
 
 # ------------------------------------------------------------------------------ the fused read + pre-norm
