@@ -24,6 +24,7 @@ model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelC
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,6 +56,11 @@ def _take(ctx, *names: str) -> list:
     for name in names:
         delattr(ctx, name)
     return values
+
+
+@functools.cache   # torch.promote_types dispatches as an aten op (a few us a call, three a receiver)
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return torch.promote_types(a, b)
 
 
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -126,8 +132,8 @@ class Receiver:
     accumulate: bool                  # False only for the very last receiver: its backward runs first
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
     sums_group: bool                  # the group's first receiver, whose h~ is the group's base
-    read: Read                        # the kernels' view of it (its tensors are the node's Inputs)
-    adds: bool = False                # its node makes h~ = h~_l + v_l (GroupedDepthState.add)
+    read: Read                        # the kernels' view of it (its tensors are the node's Inputs); with
+    # read.stream its node makes h~ = h~_l + v_l (GroupedDepthState.add)
 
     @property
     def slot(self) -> int:            # its row of the group's buffers
@@ -159,26 +165,25 @@ class ReceiverRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor,
                 null: Tensor | None, *owned: Tensor) -> Tensor:
-        read = spec.read
-        if spec.adds:                     # h is h~_l and owned[-1] v_l: h~_{l+1} = h~_l + v_l, an output
-            h = h + owned[-1]
-        y = receiver_forward(read, Inputs(h, base, state, weight, null),
-                             torch.promote_types(weight.dtype, read.x_dtype))
+        read = spec.read                  # with read.stream, h is h~_l and owned[-1] v_l: the kernel makes h~_{l+1}
+        y, h = receiver_forward(read, Inputs(h, base, state, weight, null), promote(weight.dtype, read.x_dtype),
+                                owned[-1] if read.stream else None)
         # a saved r stands in for the state
         ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)
         ctx.spec, ctx.bank = spec, bank
-        return (y, h) if spec.adds else y
+        return (y, h) if read.stream else y     # h~_{l+1}, an output
 
     @staticmethod
     def backward(ctx, dy: Tensor, dh_stream: Tensor | None = None):
         inputs = Inputs(*ctx.saved_tensors)
         spec, bank = _take(ctx, "spec", "bank")
         group, read, h, base, null = spec.group, spec.read, inputs.h, inputs.base, inputs.null
-        grads = group.receiver_grads(spec, h, base, bank.pointers(read.table, spec.first))
-        dh, dweight = receiver_backward(read, inputs, aligned(dy), grads)
-        if spec.adds:                     # dL/dh~_{l+1}: the read's and the stream's (its later users')
-            dh = dh_stream if dh is None else dh.add_(dh_stream)
-            bank.grad(spec.owned[-1]).add_(dh)   # v_l's: every reader's (kernels added them) + the stream's
+        # with read.stream dL/dh~_{l+1} is the read's and the stream's (its later users'): the kernel sums them
+        # into dh and adds that into v_l's accumulator too (every reader's, added by the kernels, + the stream's)
+        accumulators = bank.pointers(read.table, spec.first)          # (the bank's buffers made at the first)
+        dv, stream = (bank.grad(spec.owned[-1]), aligned(dh_stream)) if read.stream else (None, None)
+        grads = group.receiver_grads(spec, h, base, accumulators, dv)
+        dh, dweight = receiver_backward(read, inputs, aligned(dy), grads, stream)
         dnull, dbase = None, None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
             go = slot_view(group.go, spec.slot, h).view(read.M, -1)
@@ -324,7 +329,7 @@ class GroupedDepthState(DepthState):
     def _read(self, norm: nn.Module, add: bool) -> Tensor:
         adds = self.unadded is not None   # this receiver's node adds v_l, its newest source, to the stream (add)
         h = self._h                       # h~_l if it adds, else h~
-        h_dtype = torch.promote_types(h.dtype, self.unadded.dtype) if adds else h.dtype
+        h_dtype = promote(h.dtype, self.unadded.dtype) if adds else h.dtype
         router = self.router()
         receiver = self.l - self.policy.reads_from
         if self.observer is not None:
@@ -344,8 +349,7 @@ class GroupedDepthState(DepthState):
         r_dtype = self.sources[0].dtype
         x_dtype = r_dtype
         if add:
-            x_dtype = torch.promote_types(h_dtype, r_dtype if router.gate is None
-                                          else torch.promote_types(router.gate.dtype, r_dtype))
+            x_dtype = promote(h_dtype, r_dtype if router.gate is None else promote(router.gate.dtype, r_dtype))
         table = self.source_list.table(group.n_committed) if own else None
         # A receiver whose backward would read the state and its own sources again keeps its forward's r (one row in
         # r_dtype, written and read: 2 rows of r_dtype) where that moves fewer bytes: with fp32 r (the embedding's
@@ -360,10 +364,10 @@ class GroupedDepthState(DepthState):
         slot = receiver - group.first_receiver
         read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.gates, null.value,
                     self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M, h.shape[-1],
-                    h_dtype, h.device, group.saved_r if saves_r else None)
+                    h_dtype, h.device, group.saved_r if saves_r else None, adds)
         assert not adds or (base is None and owned[-1] == len(self.sources) - 1), "v_l is not the newest own source"
         spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
-                        receiver == group.first_receiver and h is group.base, read, adds)
+                        receiver == group.first_receiver and h is group.base, read)
         out = _receiver_read(spec, self.bank, h, base, self.group_output, norm.weight, learned_null,
                              *[self.sources[k] for k in owned])
         if not adds:

@@ -138,10 +138,11 @@ class Group:
     # go, D and partial-block gradient here, and GroupRead's backward takes them.
 
     def receiver_grads(self, spec: Receiver, h: Tensor, base: Tensor | None,
-                       accumulators: tuple[Tensor, Tensor, int, int]) -> ReadGrads:
+                       accumulators: tuple[Tensor, Tensor, int, int], dv: Tensor | None = None) -> ReadGrads:
         """Where receiver `spec`'s backward writes: its go and D slots; -dL/d(partial) into its slot of the
         group's dbase when its base is the group's (else a tensor of its own, returned by its node); for the
-        group's first receiver, whose h~ is that base, the other receivers' slots to add to its dh."""
+        group's first receiver, whose h~ is that base, the other receivers' slots to add to its dh; dv: its
+        newest source's accumulator where its kernels make the stream's add (ReadGrads.dv)."""
         self.backward_buffers(h)
         dbase, dbase_slot = None, 0
         if base is not None:
@@ -152,7 +153,8 @@ class Group:
             if hi - lo == len(self.dbase_slots):
                 dsum, self.dbase_summed = (self.dbase, lo, hi), True
         self.written.append(spec.slot)
-        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate, dsum)
+        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate, dsum,
+                         dv)
 
     def receivers_du(self) -> tuple[Tensor, Tensor]:
         """The receivers' own parts of du (R, d) and dgate (R,), summed over their programs (zero for a receiver

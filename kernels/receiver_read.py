@@ -46,15 +46,17 @@ def _null_source(null_ptr, NULL: tl.constexpr, u, cols, own, d, eps):
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
 def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, r_ptr, M, d, eps, norm_eps,
+                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, r_ptr, v_ptr, hout_ptr, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
-                  HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
-    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr. Rows are split rows (kernels/tiles.py)."""
+    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr. With STREAM, h_ptr is h~_l and the stream's add is made here:
+    h = h~_l + v_l (v_l at v_ptr, its newest own source) in hout_ptr's dtype, written there and read on as h.
+    Rows are split rows (kernels/tiles.py)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -66,8 +68,11 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     if HAS_TABLE:
         m, l, acc = read_table(table, n_a, n_b, offs, masks, u, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     h = row_zeros(BLOCK_M, cols)
-    if ADD or HAS_DIFF:
+    if ADD or HAS_DIFF or STREAM:
         h = row_load(h_ptr, offs, masks)
+    if STREAM:                            # h~_{l+1} = h~_l + v_l, rounded as autograd's add rounds it
+        h = row_round(row_add(h, row_load(v_ptr, offs, masks)), hout_ptr.dtype.element_ty)
+        row_store(hout_ptr, offs, h, masks)
     if HAS_DIFF:                          # the partial block h - base
         p = row_sub(h, row_load(base_ptr, offs, masks))
         m, l, acc = softmax_step(m, l, acc, p, logit(p, u, d, eps)[0])
@@ -89,11 +94,12 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
                   has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr,
                   dbase_slot, go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, r_ptr, du_ptr, dw_ptr, dgate_ptr,
-                  tiles, accumulate, M, d, eps, norm_eps,
+                  dhs_ptr, dv_ptr, tiles, accumulate, M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
-                  NULL: tl.constexpr, HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr, ROW_STAGES: tl.constexpr):
+                  NULL: tl.constexpr, HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+                  ROW_STAGES: tl.constexpr):
     """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
@@ -101,7 +107,10 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     per-program partial sums of dw (norm weight) at dw_ptr (programs, d) and of du and dgate into row `slot` of
     the group's buffers at du_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them,
     once per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
-    the table."""
+    the table. With STREAM (the forward made h = h~_l + v_l), dhs_ptr is the stream's part of dL/dh (h's later
+    users'), which joins the read's in dh (replacement: the read has none, and the host passes dhs as dh_ptr,
+    where nothing is stored); dL/dh is then h~_l's and v_l's gradient: it is added to v_l's accumulator at
+    dv_ptr."""
     pid = tl.program_id(0)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
@@ -169,6 +178,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                       masks)
         if SUMS and not HAS_TABLE:        # no source loop follows: the group's slots join dh before its one store
             dh = add_slots(dh, dsum_ptr, dsum_lo, dsum_hi, slab, offs, masks)
+        if STREAM and ADD:                # dL/dh = the read's (rounded as stored) + the stream's, as autograd sums
+            dh = row_add(row_round(dh, dh_ptr.dtype.element_ty), row_load(dhs_ptr, offs, masks))
         if ADD or HAS_DIFF or SUMS:
             row_store(dh_ptr, offs, dh, masks)
         if HAS_STATE:                     # for phase 1's backward
@@ -189,6 +200,9 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
             dh = add_slots(row_load(dh_ptr, offs, masks), dsum_ptr, dsum_lo, dsum_hi, slab, offs, masks)
             row_store(dh_ptr, offs, dh, masks)
+        if STREAM:                        # last, as above: v_l's gradient += dL/dh (its table term is in)
+            tl.debug_barrier()            # v_l's accumulator (and dh) stored above by this program's threads
+            accumulate_grad(dv_ptr, row_load(dh_ptr, offs, masks), offs, masks, 1)
     part = slot * tl.num_programs(0) + pid        # this receiver's row of the group's (R, programs) partials
     row_store(du_ptr + part.to(tl.int64) * d, row_offsets(0, cols), du, row_own(own))
     row_store(dw_ptr + pid * d, row_offsets(0, cols), dw, row_own(own))
@@ -251,12 +265,12 @@ class Launches:
 @functools.cache   # the same receiver asks again at every step: a pure function of the kind of read
 def _launches(n_a: int, n_b: int, a_dtype: tl.dtype, b_dtype: tl.dtype, slot: int, slab: int, M: int, d: int,
               has_gate: bool, null: int, eps: float, norm_eps: float, r_dtype: tl.dtype, x_dtype: tl.dtype,
-              has_state: bool, has_base: bool, add: bool, has_table: bool, r_saved: bool,
+              has_state: bool, has_base: bool, add: bool, has_table: bool, r_saved: bool, stream: bool,
               device: torch.device) -> Launches:
     shared = dict(n_a=n_a, n_b=n_b, A_DTYPE=a_dtype, B_DTYPE=b_dtype, slot=slot, slab=slab,
                   has_gate=int(has_gate), NULL=null, M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=r_dtype,
                   X_DTYPE=x_dtype, HAS_STATE=has_state, HAS_DIFF=has_base, ADD=add, HAS_TABLE=has_table,
-                  R_SAVED=r_saved)
+                  R_SAVED=r_saved, STREAM=stream)
     forward, backward = _receiver_config(M, d, backward=False), _receiver_config(M, d, backward=True)
     programs, tiles = backward_wave(M, d, device)
     return Launches(dict(shared, **forward), dict(shared, **backward, tiles=tiles), cdiv(M, forward["BLOCK_M"]),
@@ -288,6 +302,7 @@ class Read:
     device: torch.device
     saved_r: Tensor | None = None     # (R, slab) the group's saved read-outs (row `slot`: this receiver's r, in
     # r_dtype, written forward and read backward in place of the state and the table's second pass), or None
+    stream: bool = False              # its kernels make the stream's add h = h~_l + v_l and its gradient (Stream)
 
     launches: Launches = field(init=False, repr=False)   # what its two launches take that its kind fixes
 
@@ -298,7 +313,7 @@ class Read:
         self.launches = _launches(n_a, n_b, a, b, self.slot, slab_of(M * d), M, d, self.gates is not None,
                                   self.null, self.eps, self.norm_eps, DTYPES[self.r_dtype], DTYPES[self.x_dtype],
                                   self.has_state, self.has_base, self.add, table is not None,
-                                  self.saved_r is not None, self.device)
+                                  self.saved_r is not None, self.stream, self.device)
 
     def args(self, static: dict, i: Inputs) -> dict:
         """A launch's keyword arguments: its static ones and the read's tensors; an absent tensor is replaced by a
@@ -318,8 +333,8 @@ class Read:
         reads = [(self.table, 1 + (backward and not saved))] if self.table is not None else []
         reads += [(slot_view(self.saved_r, self.slot, h), 1)] if saved else []
         reads += [(slot_view(i.state, self.slot, h), 1)] if i.state is not None and not saved else []
-        return reads + ([(h, 1)] if self.add or i.base is not None else []) + (
-            [(i.base, 1)] if i.base is not None else [])
+        reads_h = self.add or i.base is not None or (self.stream and not backward)   # the stream's add reads h~_l
+        return reads + ([(h, 1)] if reads_h else []) + ([(i.base, 1)] if i.base is not None else [])
 
 
 @dataclass
@@ -339,6 +354,7 @@ class ReadGrads:
     du: Tensor
     dgate: Tensor
     dsum: tuple[Tensor, int, int] | None = None
+    dv: Tensor | None = None          # (B, T, d) v_l's accumulator, where dL/dh joins (Read.stream)
 
 
 def backward_wave(M: int, d: int, device: torch.device) -> tuple[int, int]:
@@ -348,30 +364,36 @@ def backward_wave(M: int, d: int, device: torch.device) -> tuple[int, int]:
     return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)
 
 
-def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype) -> Tensor:
-    """y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [the state's slot] + the table's
-    sources [+ h - base] [+ the null source]; writes lse[slot]."""
+def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(y, h): y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [the state's slot] + the
+    table's sources [+ h - base] [+ the null source]; writes lse[slot]. h is i.h, or with read.stream (i.h is then
+    h~_l, v its newest own source v_l) h~_l + v_l, made by the kernel (in read.h_dtype)."""
     h = i.h
     y = torch.empty_like(h, dtype=y_dtype)
+    made = torch.empty_like(h, dtype=read.h_dtype) if read.stream else h
     launches = read.launches
 
     def io() -> tuple[list, list]:
         saved = [slot_view(read.saved_r, read.slot, h)] if read.saved_r is not None else []
-        return read.reads(i, backward=False), [y, read.lse[read.slot]] + saved
+        stream = ([(v, 1)], [made]) if read.stream else ([], [])
+        return read.reads(i, backward=False) + stream[0], [y, read.lse[read.slot]] + saved + stream[1]
 
     args = read.args(launches.forward, i)
-    args["y_ptr"] = y
+    args.update(y_ptr=y, v_ptr=h if v is None else v, hout_ptr=made)
     launch(_receiver_fwd, launches.grid, io, h.device, **args)
-    return y
+    return y, made
 
 
-def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads) -> tuple[Tensor | None, Tensor]:
+def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
+                      dh_stream: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
     """Backward of receiver_forward into `out` (ReadGrads). Returns (dh, dweight) (dh None when h is unused);
     du's and dgate's partial sums are left in out.du and out.dgate for the group. A learned null's own gradient
-    and its du term are left to grouped_state.learned_null_grads, from go, D and lse."""
+    and its du term are left to grouped_state.learned_null_grads, from go, D and lse. With read.stream, dh_stream
+    is the stream's part of dL/dh: dh is then the whole dL/dh (h~_l's gradient), added to v_l's at out.dv too."""
     h, table, slot, launches = i.h, read.table, read.slot, read.launches
     uses_h = read.add or read.has_base or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
+    stream_into_dh = read.stream and uses_h   # the stream's part joins the read's in dh (else dh is that part)
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
     dweight = torch.empty(launches.programs, h.shape[-1], dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
@@ -384,7 +406,9 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads) -> tupl
         reloads = out.dsum is not None and table is not None   # dh stored, read back and summed with the slots
         reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if out.dsum is not None else []
         reads += [(dh, 1)] if reloads else []
-        writes = grads + [out.du[slot], dweight, out.dgate[slot]]
+        if read.stream:                   # the stream's part [into dh], then dL/dh read into v_l's accumulator
+            reads += [(dh_stream, 1)] + ([(dh, 1)] if stream_into_dh else []) + [(out.dv, 1)]
+        writes = grads + [out.du[slot], dweight, out.dgate[slot]] + ([out.dv] if read.stream else [])
         writes += ([dh] * (1 + reloads) if uses_h else [])
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.has_base else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.has_state else [])
@@ -395,6 +419,9 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads) -> tupl
                 go_ptr=h if out.go is None else out.go, D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr,
                 dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate,
                 accumulate=int(out.accumulate), SUMS=out.dsum is not None,
-                ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1)
+                ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1,
+                dhs_ptr=h if dh_stream is None else dh_stream, dv_ptr=h if out.dv is None else out.dv)
+    if read.stream and not uses_h:        # dL/dh is the stream's part alone: the kernel reads it as dh
+        dh = args["dh_ptr"] = dh_stream
     launch(_receiver_bwd, launches.programs, io, h.device, **args)
     return dh, dweight.sum(0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.depth_route import depth_route
+from kernels.grouped_state import GroupedDepthState
 from kernels.launch import SourceTable, observe_launches, skipped_launches
 from kernels.tools import host
 from kernels.tools.bound import lower_bound
@@ -150,21 +151,38 @@ def test_skipped_launches_are_listed_and_never_described():
     assert torch.allclose(depth_route(sources, query, norm_weight), torch.stack(sources).mean(0), atol=1e-6)
 
 
-def test_fine_grained_receivers_add_the_streams_gradient_to_their_newest_source_once():
-    """Delta AttnRes, 4 layers (8 sublayers, receivers in groups): each receiver but a group's first makes the
-    stream's add for the output it reads as its newest source, so autograd neither rounds that add's fp32 gradient
-    to the output's bf16 (6 d bytes a token) nor adds it to the bank's gradient (6 d): the node adds dL/dh~ from
-    the stream to its own dh (12 d, the sum autograd made) and then into the output's accumulator (8 d). The
-    forward's adds are the baseline's, wherever they are made."""
+@pytest.mark.parametrize("residual", ["delta", "full_attnres"])
+def test_fine_grained_receivers_make_the_streams_add_and_its_gradient_in_their_kernels(residual, monkeypatch):
+    """4 layers (8 sublayers, receivers in groups), autocast (fp32 stream, bf16 outputs): each receiver but a
+    group's first makes the stream's add h~_{l+1} = h~_l + v_l for its newest source v_l in its forward kernel, and
+    joins the stream's gradient in its backward kernel. Per such receiver, d bytes a token, against the same model
+    where autograd makes the add:
+    - forward: torch's add (read 4 + 2, write 4) is gone; the kernel reads v_l (2) and writes h~_{l+1} (4), and
+      reads h~_l where it read h~_{l+1} (an additive read; a replacement read reads h~_l only for the add: 4);
+    - backward: the add's cast of the stream's gradient to v_l's bf16 (read 4, write 2) and autograd's sum of it
+      with v_l's accumulator (2 + 2, 2) are gone, and so is its sum of the read's and the stream's dL/dh~_{l+1}
+      (4 + 4, 4: additive reads only); the kernel reads the stream's part (4), [reads back the dh it stored (4),]
+      and adds dL/dh~_{l+1} into v_l's accumulator (2 + 2)."""
     d = 64
     shape = dict(vocab_size=64, d_model=d, n_layers=4, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128)
-    cfg = ModelConfig(**shape, residual="delta", kernel="triton")
+    cfg = ModelConfig(**shape, residual=residual, kernel="triton")
     state = Model(cfg).depth_state(torch.zeros(1, 8, d))
-    adders = len(state.plan) - len(set(state.plan))          # every receiver but each group's first
-    assert sorted(state.adders) == [r for r in range(1, len(state.plan)) if state.plan[r] == state.plan[r - 1]]
+    reads = len(state.plan) - int(state.policy.final_read)    # the final read commits nothing
+    adders = len(state.adders)                                # every receiver but each group's first
+    assert sorted(state.adders) == [r for r in range(1, reads) if state.plan[r] == state.plan[r - 1]]
     assert adders >= 4, state.plan
     step = count_step(cfg, (1, 8)).bytes
-    base = count_step(ModelConfig(**shape, residual="baseline", kernel="triton"), (1, 8)).bytes
-    assert step[("forward", "torch add")] == base[("forward", "torch add")]
-    assert base[("backward", "torch _to_copy")] - step[("backward", "torch _to_copy")] == 6 * d * adders * 8
-    assert step[("backward", "torch add_")] == (12 + 8) * d * adders * 8
+    init = GroupedDepthState.__init__
+
+    def without_adders(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.adders = set()
+    monkeypatch.setattr(GroupedDepthState, "__init__", without_adders)
+    plain = count_step(cfg, (1, 8)).bytes
+    additive = residual == "delta"
+    per_adder = {("forward", "torch add"): -10, ("forward", "kernel _receiver_fwd"): 2 + 4 + 4 * (not additive),
+                 ("backward", "torch _to_copy"): -6, ("backward", "torch add"): -6 - 12 * additive,
+                 ("backward", "kernel _receiver_bwd"): 4 + 4 * additive + 4}
+    changed = {key: (step.get(key, 0) - plain.get(key, 0)) // (d * adders * 8) for key in set(step) | set(plain)
+               if step.get(key, 0) != plain.get(key, 0)}
+    assert changed == per_adder
