@@ -40,22 +40,15 @@ from kernels.receiver_read import (NULL_LEARNED, NULL_NONE, NULL_ZERO, Inputs, R
 from router import DepthState, Router
 
 
-def _params(routers: list[Router]) -> list[Tensor]:
-    """The group node's parameter inputs, whose gradients it returns for all its receivers: per router its query,
-    norm weight and gate (if any)."""
-    return [p for r in routers for p in (r.query, r.norm_weight, r.gate) if p is not None]
-
-
-def _take(ctx, *names: str) -> list:
-    """A node's group, bank or receiver, removed from its context: once its backward has run, nothing of the
-    step stays alive through the node (the graph object lives on while the loss tensor does)."""
-    if not hasattr(ctx, names[0]):
+def _take(ctx) -> tuple:
+    """What a node's forward left for its backward (ctx.held: its group or receiver, and the bank), removed from
+    its context: once its backward has run, nothing of the step stays alive through the node (the graph object
+    lives on while the loss tensor does)."""
+    held = ctx.__dict__.pop("held", None)
+    if held is None:
         raise RuntimeError("the kernel path's depth routing runs one backward per forward (retain_graph=True is "
                            "not supported): use kernel='reference' to back-propagate twice")
-    values = [getattr(ctx, name) for name in names]
-    for name in names:
-        delattr(ctx, name)
-    return values
+    return held
 
 
 @functools.cache   # torch.promote_types dispatches as an aten op (a few us a call, three a receiver)
@@ -79,23 +72,24 @@ def _direct(function: type[torch.autograd.Function]) -> Callable:
 
 
 class GroupRead(torch.autograd.Function):
-    """Phase 1 of a group. Inputs: the group's base h~, the committed sources this node owns, each receiver's
-    query, norm weight and gate, whose gradients (phase 1's part and the receivers' own, which their backwards
-    leave in the group) it returns once for the group. Output: the r_C buffer (R, slab), which every receiver of
+    """Phase 1 of a group. Inputs: the group's base h~, its receivers' queries, norm weights and gates stacked
+    ((R, d), (R, d), (R,) or None: autograd's stack hands each router its row of the gradients, which this node
+    returns once for the group, phase 1's part and the receivers' own, which their backwards leave in the group),
+    then the committed sources this node owns. Output: the r_C buffer (R, slab), which every receiver of
     the group takes as an input, so this node's backward runs after theirs. The output's grad_fn is this node,
     whose context holds the group: so the group never holds the output (that would be a reference cycle through
     the graph)."""
 
     @staticmethod
-    def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, *inputs: Tensor) -> Tensor:
+    def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, queries: Tensor,
+                norm_weights: Tensor, gates: Tensor | None, *sources: Tensor) -> Tensor:
         ctx.set_materialize_grads(False)
-        ctx.group, ctx.bank, ctx.owned = group, bank, owned
+        ctx.held, ctx.owned = (group, bank), owned
         like = group.table.tensors[0]
         M, R = like.numel() // like.shape[-1], len(group.routers)
-        queries = group.queries = torch.stack([r.query for r in group.routers]).detach()          # (R, d)
-        norm_weights = group.norm_weights = torch.stack([r.norm_weight for r in group.routers]).detach()
-        if group.routers[0].gate is not None:
-            group.gates = torch.cat([r.gate for r in group.routers]).detach()                      # (R,)
+        queries = group.queries = queries.detach()             # for every kernel of the group, forward and backward
+        norm_weights = group.norm_weights = norm_weights.detach()
+        group.gates = None if gates is None else gates.detach()
         state = slots(R, like, group.state_dtype)
         group.lse_c = torch.empty(R, M, dtype=torch.float32, device=like.device)
         group.lse = torch.empty_like(group.lse_c)
@@ -105,20 +99,17 @@ class GroupRead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        group, bank = _take(ctx, "group", "bank")
+        group, bank = _take(ctx)
         queries, norm_weights = ctx.params
         like = group.table.tensors[0]
         group.backward_buffers(like)
         du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
                             bank.pointers(group.table, 0), accumulate=not group.last)
         du_own, dgate = group.receivers_du()
-        du = du + du_own                  # the committed sources' part (phase 1) + the receivers' own
-        dq, dg = (du * norm_weights).to(queries.dtype), (du * queries).to(norm_weights.dtype)  # e = rstd s.(w*g)
-        per_param = [dq.unbind(0), dg.unbind(0)]   # in _params' order: per router its query, norm weight, gate
-        if group.gates is not None:
-            per_param.append(dgate.to(group.gates.dtype).view(-1, 1).unbind(0))   # each gate is (1,)
-        params = [grad for router in zip(*per_param) for grad in router]
-        grads = (None, None, None, group.base_grad(like), *[bank.grad(k) for k in ctx.owned], *params)
+        du += du_own                      # the committed sources' part (phase 1) + the receivers' own
+        dq, dg = _cast(du * norm_weights, queries.dtype), _cast(du * queries, norm_weights.dtype)  # e = rstd s.(w*g)
+        dgate = None if group.gates is None else _cast(dgate, group.gates.dtype)
+        grads = (None, None, None, group.base_grad(like), dq, dg, dgate, *[bank.grad(k) for k in ctx.owned])
         group.release()
         return grads
 
@@ -170,13 +161,13 @@ class ReceiverRead(torch.autograd.Function):
                                 owned[-1] if read.stream else None)
         # a saved r stands in for the state
         ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)
-        ctx.spec, ctx.bank = spec, bank
+        ctx.held = (spec, bank)
         return (y, h) if read.stream else y     # h~_{l+1}, an output
 
     @staticmethod
     def backward(ctx, dy: Tensor, dh_stream: Tensor | None = None):
         inputs = Inputs(*ctx.saved_tensors)
-        spec, bank = _take(ctx, "spec", "bank")
+        spec, bank = _take(ctx)
         group, read, h, base, null = spec.group, spec.read, inputs.h, inputs.base, inputs.null
         # with read.stream dL/dh~_{l+1} is the read's and the stream's (its later users'): the kernel sums them
         # into dh and adds that into v_l's accumulator too (every reader's, added by the kernels, + the stream's)
@@ -321,8 +312,12 @@ class GroupedDepthState(DepthState):
             owned = self._claim(range(len(committed)))
             # the group's output is kept here, never on the group: the group is in the node's context, and a
             # tensor whose grad_fn is that node would close a cycle no collector sees
-            self.group_output = _group_read(group, self.bank, owned, self.block_start,
-                                            *[committed[k] for k in owned], *_params(routers))
+            # stacked here, where autograd records the stack: its backward splits the group's gradients per router
+            queries = torch.stack([r.query for r in routers])                     # (R, d)
+            norm_weights = torch.stack([r.norm_weight for r in routers])          # (R, d)
+            gates = torch.cat([r.gate for r in routers]) if routers[0].gate is not None else None   # (R,)
+            self.group_output = _group_read(group, self.bank, owned, self.block_start, queries, norm_weights, gates,
+                                            *[committed[k] for k in owned])
             self.group = group
         return self.group
 

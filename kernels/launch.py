@@ -231,22 +231,21 @@ class SourceList:
         if hi <= lo:
             raise ValueError("depth_route needs at least one source")
         dtypes = self.dtypes[lo:hi]
-        dtype_a = dtypes[0]
-        a = [i for i, dt in enumerate(dtypes) if dt == dtype_a]
-        b = [i for i, dt in enumerate(dtypes) if dt != dtype_a]
-        if b and any(dtypes[i] != dtypes[b[0]] for i in b):
+        if len(set(dtypes)) > 2:
             raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
-        order = a + b
-        tensors = [self.tensors[lo + i] for i in order]
-        if not b or b[0] == len(a):       # in dtype order already: a slice of the addresses
+        dtype_a = dtypes[0]
+        n_a = dtypes.count(dtype_a)
+        if dtypes[:n_a].count(dtype_a) == n_a:    # in dtype order already: a slice of the addresses
             if self.uploaded < hi:
                 up = slice(self.uploaded, hi)
                 self.device_addresses[up].copy_(self.host_addresses[up], non_blocking=True)
                 self.uploaded = hi
-            return SourceTable(tensors, order, len(a), self.device_addresses[lo:hi])
+            return SourceTable(self.tensors[lo:hi], list(range(hi - lo)), n_a, self.device_addresses[lo:hi])
+        order = [i for i, dt in enumerate(dtypes) if dt == dtype_a] + [i for i, dt in enumerate(dtypes) if dt != dtype_a]
+        tensors = [self.tensors[lo + i] for i in order]
         device = tensors[0].device
         addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
-        return SourceTable(tensors, order, len(a), addresses.to(device, non_blocking=True))
+        return SourceTable(tensors, order, n_a, addresses.to(device, non_blocking=True))
 
 
 def source_table(sources: list[Tensor]) -> SourceTable:

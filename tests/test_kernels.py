@@ -419,6 +419,20 @@ def test_dispatch():
             bad()
 
 
+def test_a_second_backward_through_the_kernel_path_says_to_use_the_reference():
+    """Its nodes hand their groups and bank to the backward once (nothing of a step outlives it): a second
+    backward (retain_graph=True) is refused with a message, the reference path's is not."""
+    idx = torch.randint(0, TINY["vocab_size"], (1, 5), device=DEVICE)
+    for kernel in ("triton", "reference"):
+        loss = Model(ModelConfig(**TINY, residual="delta", kernel=kernel)).to(DEVICE)(idx).sum()
+        loss.backward(retain_graph=True)
+        if kernel == "reference":
+            loss.backward()
+            continue
+        with pytest.raises(RuntimeError, match="one backward per forward.*use kernel='reference'"):
+            loss.backward()
+
+
 
 @pytest.mark.parametrize("residual", ["delta", "full_attnres", "delta_block"])
 def test_receivers_share_phase_one_in_groups(residual):
