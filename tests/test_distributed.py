@@ -264,7 +264,9 @@ def test_one_precision_rule_for_ddp_and_fsdp(two_ranks):
     expected = {"stream": [fp32], "sources": [bf16, fp32], "routers": [fp32], "outputs": [bf16]}
     assert results["dtypes"] == {"ddp": expected, "fsdp": expected}
     ddp, fsdp = results["ddp_bf16"]["losses"], results["fsdp_bf16"]["losses"]
-    assert fsdp == pytest.approx(ddp, abs=1e-4, rel=0)
+    # the order's differences, rounded to bf16 in the weights at every step, grow: 0, 3.1e-5 and 1.5e-4 over the
+    # 3 steps (losses near 5.5); 3e-4 leaves twice that
+    assert fsdp == pytest.approx(ddp, abs=3e-4, rel=0)
     assert ddp[-1] < ddp[0] - 0.05
 
 
