@@ -35,8 +35,8 @@ from torch import Tensor
 from kernels.group_read import group_backward, group_forward
 from kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
 from kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
-from kernels.receiver_read import (NULL_LEARNED, NULL_NONE, NULL_ZERO, Inputs, Read, receiver_backward,
-                                   receiver_forward)
+from kernels.receiver_read import Inputs, Read, receiver_backward, receiver_forward
+from kernels.tiles import NULL_LEARNED, NULL_NONE, NULL_ZERO
 from router import DepthState, Router
 
 

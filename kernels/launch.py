@@ -241,7 +241,7 @@ class SourceList:
                 self.device_addresses[up].copy_(self.host_addresses[up], non_blocking=True)
                 self.uploaded = hi
             return SourceTable(self.tensors[lo:hi], list(range(hi - lo)), n_a, self.device_addresses[lo:hi])
-        order = [i for i, dt in enumerate(dtypes) if dt == dtype_a] + [i for i, dt in enumerate(dtypes) if dt != dtype_a]
+        order = sorted(range(len(dtypes)), key=lambda i: dtypes[i] != dtype_a)     # stable: dtype_a's first
         tensors = [self.tensors[lo + i] for i in order]
         device = tensors[0].device
         addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")

@@ -21,28 +21,12 @@ from torch import Tensor
 
 from kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, slab_of,
                             slot_view, wave)
-from kernels.tiles import (accumulate_grad, add_slots, folded_query, logit, mix, read_table, row_add, row_axpy,
-                           row_cols, row_colsum, row_div, row_dot, row_load, row_masks, row_mul, row_offsets, row_own,
-                           row_round, row_scale, row_store, row_sub, row_vector, row_zeros, softmax_step,
-                           source_grad, start_state, table_source)
+from kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
+                           null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot, row_load,
+                           row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store, row_sub,
+                           row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
-
-# The NULL flag of both kernels: no null source, a zero one (value 0, logit 0), or the receiver's learned vector
-NULL_NONE, NULL_ZERO, NULL_LEARNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def _null_source(null_ptr, NULL: tl.constexpr, u, cols, own, d, eps):
-    """The null source (one row) and its logit (1,): the receiver's learned vector (NULL_LEARNED), or zero
-    (value 0, logit 0) otherwise."""
-    if NULL == NULL_LEARNED:
-        n = row_vector(null_ptr, cols, own)
-    else:
-        n = row_zeros(1, cols)
-    z, _ = logit(n, u, d, eps)
-    return n, z
-
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
 def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
@@ -54,9 +38,8 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
-    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr. With STREAM, h_ptr is h~_l and the stream's add is made here:
-    h = h~_l + v_l (v_l at v_ptr, its newest own source) in hout_ptr's dtype, written there and read on as h.
-    Rows are split rows (kernels/tiles.py)."""
+    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr. With STREAM, h_ptr is h~_l: h = h~_l + v_l (v_ptr, its newest
+    own source) is made here, written to hout_ptr and read on. Rows are split rows (kernels/tiles.py)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -77,7 +60,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
         p = row_sub(h, row_load(base_ptr, offs, masks))
         m, l, acc = softmax_step(m, l, acc, p, logit(p, u, d, eps)[0])
     if NULL != NULL_NONE:                 # the null source: zero, or learned (at null_ptr)
-        n, z_n = _null_source(null_ptr, NULL, u, cols, own, d, eps)
+        n, z_n = null_source(null_ptr, NULL, u, cols, own, d, eps)
         m, l, acc = softmax_step(m, l, acc, n, tl.zeros((BLOCK_M,), tl.float32) + z_n)
     tl.store(lse_ptr + slot.to(tl.int64) * M + rows, m + tl.log(l), mask=row_ok)
     r = row_round(row_div(acc, l), R_DTYPE)
@@ -107,17 +90,15 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     per-program partial sums of dw (norm weight) at dw_ptr (programs, d) and of du and dgate into row `slot` of
     the group's buffers at du_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them,
     once per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
-    the table. With STREAM (the forward made h = h~_l + v_l), dhs_ptr is the stream's part of dL/dh (h's later
-    users'), which joins the read's in dh (replacement: the read has none, and the host passes dhs as dh_ptr,
-    where nothing is stored); dL/dh is then h~_l's and v_l's gradient: it is added to v_l's accumulator at
-    dv_ptr."""
+    the table. With STREAM (the forward made h = h~_l + v_l), the stream's part of dL/dh at dhs_ptr joins the
+    read's in dh (replacement: it is dh, passed as dh_ptr), which is then added into v_l's accumulator at dv_ptr."""
     pid = tl.program_id(0)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
     w = row_vector(w_ptr, cols, own)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)
     if NULL == NULL_LEARNED:              # the learned null's vector and logit
-        n, z_n = _null_source(null_ptr, NULL, u, cols, own, d, eps)
+        n, z_n = null_source(null_ptr, NULL, u, cols, own, d, eps)
     du = row_zeros(1, cols)
     dw = row_zeros(1, cols)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
@@ -218,11 +199,9 @@ PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def _receiver_config(M: int, d: int, backward: bool) -> dict:
-    """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile in the
-    forward (8 at d > 2048, on 16 warps) and 8 in the backward, which holds more tiles of a row; the source
-    loops pipelined (three stages deep below d = 4096 forward, four backward, where one program per SM has the
-    registers for them; else two: kernels/tools/aot.py checks that nothing spills); rows split where d is not a
-    power of two (kernels.launch.row_split)."""
+    """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile forward (8 at
+    d > 2048, on 16 warps) and 8 backward, which holds more tiles of a row; source loops 3 stages deep forward, 4
+    backward (2 at d > 2048: kernels/tools/aot.py checks nothing spills); rows split where d is not a power of two."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
     if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)
@@ -254,8 +233,7 @@ class Inputs(NamedTuple):
 
 @dataclass(frozen=True)
 class Launches:
-    """What a read's two launches take that is fixed by the kind of read: the non-tensor arguments with the
-    launch configuration (forward's and backward's), the forward's grid and the backward's programs (one wave)."""
+    """What a read's launches take that its kind fixes: non-tensor arguments and configuration, grid, programs."""
     forward: dict
     backward: dict
     grid: int
@@ -300,9 +278,8 @@ class Read:
     d: int
     h_dtype: torch.dtype              # the stream's
     device: torch.device
-    saved_r: Tensor | None = None     # (R, slab) the group's saved read-outs (row `slot`: this receiver's r, in
-    # r_dtype, written forward and read backward in place of the state and the table's second pass), or None
-    stream: bool = False              # its kernels make the stream's add h = h~_l + v_l and its gradient (Stream)
+    saved_r: Tensor | None = None     # (R, slab) the group's kept read-outs r (in r_dtype; row `slot`), or None
+    stream: bool = False              # its kernels make h = h~_l + v_l and its gradient (GroupedDepthState.add)
 
     launches: Launches = field(init=False, repr=False)   # what its two launches take that its kind fixes
 
@@ -316,8 +293,7 @@ class Read:
                                   self.saved_r is not None, self.stream, self.device)
 
     def args(self, static: dict, i: Inputs) -> dict:
-        """A launch's keyword arguments: its static ones and the read's tensors; an absent tensor is replaced by a
-        placeholder its flag keeps unread."""
+        """A launch's keyword arguments: its static ones and the read's tensors (placeholders its flags keep unread)."""
         h = i.h
         return {**static, "table": h if self.table is None else self.table.addresses,   # h: never read
                 "state_ptr": h if i.state is None else i.state, "lse_c_ptr": self.lse_c, "h_ptr": h,
@@ -327,8 +303,7 @@ class Read:
                 "r_ptr": h if self.saved_r is None else self.saved_r}
 
     def reads(self, i: Inputs, backward: bool) -> list:
-        """What a kernel reads of the read's inputs (for the launch observers): the backward reads the table twice
-        and the state, or, with a saved r, the table once and r."""
+        """What a kernel reads (for observers): backward, the table twice and the state, or the table and a saved r."""
         h, saved = i.h, backward and self.saved_r is not None
         reads = [(self.table, 1 + (backward and not saved))] if self.table is not None else []
         reads += [(slot_view(self.saved_r, self.slot, h), 1)] if saved else []
@@ -365,9 +340,8 @@ def backward_wave(M: int, d: int, device: torch.device) -> tuple[int, int]:
 
 
 def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(y, h): y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r read over [the state's slot] + the
-    table's sources [+ h - base] [+ the null source]; writes lse[slot]. h is i.h, or with read.stream (i.h is then
-    h~_l, v its newest own source v_l) h~_l + v_l, made by the kernel (in read.h_dtype)."""
+    """(y, h): y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r over [the state's slot] + the table's
+    sources [+ h - base] [+ the null source]; writes lse[slot]. h is i.h, or with read.stream h~_l + v_l (i.h, v)."""
     h = i.h
     y = torch.empty_like(h, dtype=y_dtype)
     made = torch.empty_like(h, dtype=read.h_dtype) if read.stream else h
@@ -389,11 +363,10 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
     """Backward of receiver_forward into `out` (ReadGrads). Returns (dh, dweight) (dh None when h is unused);
     du's and dgate's partial sums are left in out.du and out.dgate for the group. A learned null's own gradient
     and its du term are left to grouped_state.learned_null_grads, from go, D and lse. With read.stream, dh_stream
-    is the stream's part of dL/dh: dh is then the whole dL/dh (h~_l's gradient), added to v_l's at out.dv too."""
+    (the stream's part of dL/dh) joins dh, which is also added to v_l's gradient at out.dv."""
     h, table, slot, launches = i.h, read.table, read.slot, read.launches
     uses_h = read.add or read.has_base or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
-    stream_into_dh = read.stream and uses_h   # the stream's part joins the read's in dh (else dh is that part)
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
     dweight = torch.empty(launches.programs, h.shape[-1], dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
@@ -407,7 +380,7 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
         reads += [(dsum_ptr[dsum_lo:dsum_hi, :h.numel()], 1)] if out.dsum is not None else []
         reads += [(dh, 1)] if reloads else []
         if read.stream:                   # the stream's part [into dh], then dL/dh read into v_l's accumulator
-            reads += [(dh_stream, 1)] + ([(dh, 1)] if stream_into_dh else []) + [(out.dv, 1)]
+            reads += [(dh_stream, 1)] + ([(dh, 1)] if uses_h else []) + [(out.dv, 1)]
         writes = grads + [out.du[slot], dweight, out.dgate[slot]] + ([out.dv] if read.stream else [])
         writes += ([dh] * (1 + reloads) if uses_h else [])
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.has_base else []

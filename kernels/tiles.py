@@ -234,6 +234,23 @@ def accumulate_grad(ptr, ds, offs, masks, accumulate):
 
 # -------------------------------------------------------------------------------------------- receivers
 
+# The NULL flag of the receiver kernels (kernels/receiver_read.py): no null source, a zero one (value 0, logit 0),
+# or the receiver's learned vector
+NULL_NONE, NULL_ZERO, NULL_LEARNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def null_source(null_ptr, NULL: tl.constexpr, u, cols, own, d, eps):
+    """The null source (one row) and its logit (1,): the receiver's learned vector (NULL_LEARNED), or zero
+    (value 0, logit 0) otherwise."""
+    if NULL == NULL_LEARNED:
+        n = row_vector(null_ptr, cols, own)
+    else:
+        n = row_zeros(1, cols)
+    z, _ = logit(n, u, d, eps)
+    return n, z
+
+
 @triton.jit
 def mix(h, r, gate, ADD: tl.constexpr, X_DTYPE: tl.constexpr):
     """x = h + gate r (additive, Eq. 2; gate 1.0 without a gate: exactly h + r) or r (replacement), rounded to
