@@ -367,6 +367,8 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
     h, table, slot, launches = i.h, read.table, read.slot, read.launches
     uses_h = read.add or read.has_base or out.dsum is not None
     dh = torch.empty_like(h) if uses_h else None
+    if read.stream and not uses_h:        # dL/dh is the stream's part alone: the kernel reads it as dh
+        dh = dh_stream
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
     dweight = torch.empty(launches.programs, h.shape[-1], dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
@@ -394,7 +396,5 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
                 accumulate=int(out.accumulate), SUMS=out.dsum is not None,
                 ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1,
                 dhs_ptr=h if dh_stream is None else dh_stream, dv_ptr=h if out.dv is None else out.dv)
-    if read.stream and not uses_h:        # dL/dh is the stream's part alone: the kernel reads it as dh
-        dh = args["dh_ptr"] = dh_stream
     launch(_receiver_bwd, launches.programs, io, h.device, **args)
     return dh, dweight.sum(0)
