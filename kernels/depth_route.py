@@ -148,8 +148,8 @@ def route_forward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: f
     lse = torch.empty(M, dtype=torch.float32, device=dev)
     cfg = _config(M, d)
     launch(_route_fwd, cdiv(M, cfg["BLOCK_M"]), lambda: ([(table, 1), (query, 1), (norm_weight, 1)], [out, lse]), dev,
-           table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=query, g_ptr=norm_weight,
-           out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
+           dict(table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=query,
+                g_ptr=norm_weight, out_ptr=out, lse_ptr=lse, M=M, d=d, eps=eps, **table.dtype_args(), **cfg))
     return out, lse
 
 
@@ -168,9 +168,10 @@ def route_backward(table: SourceTable, query: Tensor, norm_weight: Tensor, eps: 
     grid = cdiv(M, cfg["BLOCK_M"])
     du = torch.empty(grid, d, dtype=torch.float32, device=dev)
     reads = [(table, 2), (go, 1), (lse, 1), (query, 1), (norm_weight, 1)]
-    launch(_route_bwd, grid, lambda: (reads, grads + grads_b + [du]), dev, table=table.addresses, n_a=n_a,
-           n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b, slab=slab, q_ptr=query,
-           g_ptr=norm_weight, go_ptr=go, lse_ptr=lse, du_ptr=du, M=M, d=d, eps=eps, **table.dtype_args(), **cfg)
+    launch(_route_bwd, grid, lambda: (reads, grads + grads_b + [du]), dev, dict(
+        table=table.addresses, n_a=n_a, n_b=len(table.tensors) - n_a, grad_a_ptr=grad_a, grad_b_ptr=grad_b, slab=slab,
+        q_ptr=query, g_ptr=norm_weight, go_ptr=go, lse_ptr=lse, du_ptr=du, M=M, d=d, eps=eps, **table.dtype_args(),
+        **cfg))
     return table.in_caller_order(grads + grads_b), du.sum(0)
 
 

@@ -220,10 +220,10 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
         chunk = min(block, n_recv - r0)
         io = lambda: ([(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1)],  # noqa: E731
                       [state[r0:r0 + chunk, :first.numel()], lse_c[r0:r0 + chunk]])
-        launch(_group_fwd, M, io, first.device, table=table.addresses, n_a=table.n_a,
-               n_b=len(table.tensors) - table.n_a, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv,
-               state_ptr=state, lse_c_ptr=lse_c, slab=state.shape[1], M=M, d=d, eps=eps, **table.dtype_args(),
-               **cfg)
+        launch(_group_fwd, M, io, first.device, dict(
+            table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=queries,
+            g_ptr=norm_weights, r0=r0, n_recv=n_recv, state_ptr=state, lse_c_ptr=lse_c, slab=state.shape[1], M=M,
+            d=d, eps=eps, **table.dtype_args(), **cfg))
 
 
 def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, go: Tensor, D: Tensor,
@@ -248,8 +248,9 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
 
     for c, r0 in enumerate(range(0, n_recv, block)):
         chunk = min(block, n_recv - r0)
-        launch(_group_bwd, programs, lambda: io(c, r0, chunk), first.device, table=table.addresses, n_a=n_a,
-               n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv, go_ptr=go, D_ptr=D, lse_ptr=lse,
-               slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, du_ptr=du[c],
-               tiles=tiles, M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0), **table.dtype_args(), **cfg)
+        launch(_group_bwd, programs, lambda: io(c, r0, chunk), first.device, dict(
+            table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv,
+            go_ptr=go, D_ptr=D, lse_ptr=lse, slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a,
+            off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0),
+            **table.dtype_args(), **cfg))
     return du.sum(1).flatten(0, 1)[:n_recv]

@@ -76,9 +76,10 @@ def skipped_launches() -> Iterator[list[str]]:
 IO = Callable[[], tuple[list[tuple["Tensor | SourceTable", int]], list[Tensor]]]
 
 
-def launch(kernel: triton.JITFunction, grid: int, io: IO, device: torch.device, **args) -> None:
+def launch(kernel: triton.JITFunction, grid: int, io: IO, device: torch.device, args: dict) -> None:
     """Launch kernel[(grid,)](**args) on `device`. io() -> (reads, writes): what the launch reads (tensors or
-    SourceTables, with how many times) and writes, asked only when an observer is watching."""
+    SourceTables, with how many times) and writes, asked only when an observer is watching. args is a dict, not
+    keywords: a call with some 60 keywords costs several us in Python's argument parsing (twice a receiver)."""
     if _skipping:
         _skipping[-1].append(kernel.fn.__name__)
         return

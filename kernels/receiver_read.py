@@ -354,7 +354,7 @@ def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype, v: Tensor | No
 
     args = read.args(launches.forward, i)
     args.update(y_ptr=y, v_ptr=h if v is None else v, hout_ptr=made)
-    launch(_receiver_fwd, launches.grid, io, h.device, **args)
+    launch(_receiver_fwd, launches.grid, io, h.device, args)
     return y, made
 
 
@@ -396,5 +396,5 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
                 accumulate=int(out.accumulate), SUMS=out.dsum is not None,
                 ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1,
                 dhs_ptr=h if dh_stream is None else dh_stream, dv_ptr=h if out.dv is None else out.dv)
-    launch(_receiver_bwd, launches.programs, io, h.device, **args)
+    launch(_receiver_bwd, launches.programs, io, h.device, args)
     return dh, dweight.sum(0)
