@@ -121,6 +121,7 @@ class Group:
     dbase_summed: bool = False        # the group's first receiver (whose h~ is `base`) added them to its dh
     du: Tensor | None = None          # (R, programs, d) the receivers' per-program partial sums of du
     dgate: Tensor | None = None       # (R, programs) and of dgate
+    dw: tuple[Tensor, ...] = ()       # R x (programs, d) and of each receiver's pre-norm weight's gradient
     written: list[int] = field(default_factory=list)   # the slots whose backward ran (wrote go, D, du, dgate)
 
     def backward_buffers(self, like: Tensor) -> None:
@@ -131,8 +132,10 @@ class Group:
             if self.dbase_slots:
                 self.dbase = slots(n, like, self.state_dtype)
             M, d = like.numel() // like.shape[-1], like.shape[-1]
-            self.du = torch.empty(n, backward_wave(M, d, like.device)[0], d, dtype=torch.float32, device=like.device)
-            self.dgate = torch.empty(n, self.du.shape[1], dtype=torch.float32, device=like.device)
+            programs = backward_wave(M, d, like.device)[0]
+            partials = torch.empty(2, n, programs, d, dtype=torch.float32, device=like.device)   # one allocation
+            self.du, self.dw = partials[0], partials[1].unbind(0)
+            self.dgate = torch.empty(n, programs, dtype=torch.float32, device=like.device)
 
     # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its
     # go, D and partial-block gradient here, and GroupRead's backward takes them.
@@ -153,8 +156,8 @@ class Group:
             if hi - lo == len(self.dbase_slots):
                 dsum, self.dbase_summed = (self.dbase, lo, hi), True
         self.written.append(spec.slot)
-        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate, dsum,
-                         dv)
+        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate,
+                         self.dw[spec.slot], dsum, dv)
 
     def receivers_du(self) -> tuple[Tensor, Tensor]:
         """The receivers' own parts of du (R, d) and dgate (R,), summed over their programs (zero for a receiver
@@ -173,4 +176,5 @@ class Group:
     def release(self) -> None:
         """After the group's backward, the last to use them: its sources and buffers go."""
         self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = self.du = self.dgate = None
+        self.dw = ()
         self.queries = self.norm_weights = self.gates = self.saved_r = None

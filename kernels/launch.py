@@ -187,6 +187,7 @@ class SourceList:
     def __init__(self, capacity: int = 16):
         self.tensors: list[Tensor] = []     # aligned, in commit order
         self.dtypes: list[torch.dtype] = []
+        self.changes: list[int] = []        # the i where dtypes[i] != dtypes[i - 1]: a table's dtype runs at a glance
         self.capacity = capacity            # of the first address array (it doubles when full)
         self.host_addresses: Tensor | None = None     # (capacity,) int64: each source's (pinned for a GPU's)
         self.host_view = None                         # a numpy view of it: an item written costs no torch call
@@ -211,6 +212,8 @@ class SourceList:
         if self.host_addresses is None or i == len(self.host_addresses):
             self._grow(s.device)
         self.host_view[i] = s.data_ptr()
+        if i and s.dtype != self.dtypes[-1]:
+            self.changes.append(i)
         self.tensors.append(s)
         self.dtypes.append(s.dtype)
 
@@ -231,17 +234,19 @@ class SourceList:
         hi = len(self.tensors) if hi is None else hi
         if hi <= lo:
             raise ValueError("depth_route needs at least one source")
-        dtypes = self.dtypes[lo:hi]
-        if len(set(dtypes)) > 2:
-            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
-        dtype_a = dtypes[0]
-        n_a = dtypes.count(dtype_a)
-        if dtypes[:n_a].count(dtype_a) == n_a:    # in dtype order already: a slice of the addresses
+        changes = [i for i in self.changes if lo < i < hi]
+        if len(changes) <= 1:                     # one or two runs of dtypes: in dtype order, a slice of the addresses
+            n_a = changes[0] - lo if changes else hi - lo
             if self.uploaded < hi:
                 up = slice(self.uploaded, hi)
                 self.device_addresses[up].copy_(self.host_addresses[up], non_blocking=True)
                 self.uploaded = hi
             return SourceTable(self.tensors[lo:hi], list(range(hi - lo)), n_a, self.device_addresses[lo:hi])
+        dtypes = self.dtypes[lo:hi]
+        if len(set(dtypes)) > 2:
+            raise ValueError("the sources mix 3 dtypes; the kernels read at most two")
+        dtype_a = dtypes[0]
+        n_a = dtypes.count(dtype_a)
         order = sorted(range(len(dtypes)), key=lambda i: dtypes[i] != dtype_a)     # stable: dtype_a's first
         tensors = [self.tensors[lo + i] for i in order]
         device = tensors[0].device

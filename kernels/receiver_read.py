@@ -88,8 +88,8 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
     table sources' gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and
     per-program partial sums of dw (norm weight) at dw_ptr (programs, d) and of du and dgate into row `slot` of
-    the group's buffers at du_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them,
-    once per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
+    the group's buffers at du_ptr (R, programs, d) and dgate_ptr (R, programs) (the group's node sums these
+    once per group). With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
     the table. With STREAM (the forward made h = h~_l + v_l), the stream's part of dL/dh at dhs_ptr joins the
     read's in dh (replacement: it is dh, passed as dh_ptr), which is then added into v_l's accumulator at dv_ptr."""
     pid = tl.program_id(0)
@@ -319,7 +319,7 @@ class ReadGrads:
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
     lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
     programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (backward_wave),
-    row `slot` this receiver's."""
+    row `slot` this receiver's; dw (programs, d): this receiver's slot of the group's for its norm weight."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
     go: Tensor | None
@@ -328,6 +328,7 @@ class ReadGrads:
     dbase_slot: int
     du: Tensor
     dgate: Tensor
+    dw: Tensor
     dsum: tuple[Tensor, int, int] | None = None
     dv: Tensor | None = None          # (B, T, d) v_l's accumulator, where dL/dh joins (Read.stream)
 
@@ -370,7 +371,6 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
     if read.stream and not uses_h:        # dL/dh is the stream's part alone: the kernel reads it as dh
         dh = dh_stream
     dsum_ptr, dsum_lo, dsum_hi = out.dsum if out.dsum is not None else (h, 0, 0)
-    dweight = torch.empty(launches.programs, h.shape[-1], dtype=torch.float32, device=h.device)
     acc_a, acc_b, off_a, off_b = out.accumulators
 
     def io() -> tuple[list, list]:
@@ -383,7 +383,7 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
         reads += [(dh, 1)] if reloads else []
         if read.stream:                   # the stream's part [into dh], then dL/dh read into v_l's accumulator
             reads += [(dh_stream, 1)] + ([(dh, 1)] if uses_h else []) + [(out.dv, 1)]
-        writes = grads + [out.du[slot], dweight, out.dgate[slot]] + ([out.dv] if read.stream else [])
+        writes = grads + [out.du[slot], out.dw, out.dgate[slot]] + ([out.dv] if read.stream else [])
         writes += ([dh] * (1 + reloads) if uses_h else [])
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.has_base else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.has_state else [])
@@ -392,9 +392,9 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
     args.update(dy_ptr=dy, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, dh_ptr=h if dh is None else dh,
                 dbase_ptr=h if out.dbase is None else out.dbase, dbase_slot=out.dbase_slot,
                 go_ptr=h if out.go is None else out.go, D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr,
-                dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=dweight, dgate_ptr=out.dgate,
+                dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=out.dw, dgate_ptr=out.dgate,
                 accumulate=int(out.accumulate), SUMS=out.dsum is not None,
                 ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1,
                 dhs_ptr=h if dh_stream is None else dh_stream, dv_ptr=h if out.dv is None else out.dv)
     launch(_receiver_bwd, launches.programs, io, h.device, args)
-    return dh, dweight.sum(0)
+    return dh, torch.sum(out.dw, 0)
