@@ -317,5 +317,6 @@ class Model(nn.Module):
         args = (self.policy, self.routers, embedding, self.route, self.cfg.norm_eps, self.routing_observer)
         if self.policy.read != "none" and uses_kernel(self.cfg.kernel, embedding.device):
             from kernels.grouped_state import GroupedDepthState  # lazily: Triton decides at import whether to interpret
-            return GroupedDepthState(*args)
+            norms = [norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+            return GroupedDepthState(*args, norms=norms + [self.norm])
         return DepthState(*args)

@@ -72,17 +72,17 @@ def _direct(function: type[torch.autograd.Function]) -> Callable:
 
 
 class GroupRead(torch.autograd.Function):
-    """Phase 1 of a group. Inputs: the group's base h~, its receivers' queries, norm weights and gates stacked
-    ((R, d), (R, d), (R,) or None: autograd's stack hands each router its row of the gradients, which this node
-    returns once for the group, phase 1's part and the receivers' own, which their backwards leave in the group),
-    then the committed sources this node owns. Output: the r_C buffer (R, slab), which every receiver of
-    the group takes as an input, so this node's backward runs after theirs. The output's grad_fn is this node,
-    whose context holds the group: so the group never holds the output (that would be a reference cycle through
-    the graph)."""
+    """Phase 1 of a group. Inputs: the group's base h~, its receivers' queries, key-norm weights, gates and
+    sublayers' pre-norm weights stacked ((R, d), (R, d), (R,) or None, (R, d): autograd's stack hands each
+    router and norm its row of the gradients, which this node returns once for the group, phase 1's part and the
+    receivers' own, which their backwards leave in the group), then the committed sources this node owns.
+    Output: the r_C buffer (R, slab), which every receiver of the group takes as an input, so this node's
+    backward runs after theirs. The output's grad_fn is this node, whose context holds the group: so the group
+    never holds the output (that would be a reference cycle through the graph)."""
 
     @staticmethod
     def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, queries: Tensor,
-                norm_weights: Tensor, gates: Tensor | None, *sources: Tensor) -> Tensor:
+                norm_weights: Tensor, gates: Tensor | None, prenorm_weights: Tensor, *sources: Tensor) -> Tensor:
         ctx.set_materialize_grads(False)
         ctx.held, ctx.owned = (group, bank), owned
         like = group.table.tensors[0]
@@ -90,6 +90,7 @@ class GroupRead(torch.autograd.Function):
         queries = group.queries = queries.detach()             # for every kernel of the group, forward and backward
         norm_weights = group.norm_weights = norm_weights.detach()
         group.gates = None if gates is None else gates.detach()
+        group.prenorm_weights = prenorm_weights.detach()
         state = slots(R, like, group.state_dtype)
         group.lse_c = torch.empty(R, M, dtype=torch.float32, device=like.device)
         group.lse = torch.empty_like(group.lse_c)
@@ -105,11 +106,12 @@ class GroupRead(torch.autograd.Function):
         group.backward_buffers(like)
         du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
                             bank.pointers(group.table, 0), accumulate=not group.last)
-        du_own, dgate = group.receivers_du()
+        du_own, dw, dgate = group.receivers_sums()
         du += du_own                      # the committed sources' part (phase 1) + the receivers' own
         dq, dg = _cast(du * norm_weights, queries.dtype), _cast(du * queries, norm_weights.dtype)  # e = rstd s.(w*g)
         dgate = None if group.gates is None else _cast(dgate, group.gates.dtype)
-        grads = (None, None, None, group.base_grad(like), dq, dg, dgate, *[bank.grad(k) for k in ctx.owned])
+        dw = _cast(dw, group.prenorm_weights.dtype)
+        grads = (None, None, None, group.base_grad(like), dq, dg, dgate, dw, *[bank.grad(k) for k in ctx.owned])
         group.release()
         return grads
 
@@ -149,18 +151,18 @@ def learned_null_grads(null: Tensor, query: Tensor, norm_weight: Tensor, eps: fl
 
 
 class ReceiverRead(torch.autograd.Function):
-    """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_weight(h~ + gate r) or RMSNorm_weight(r). Its
-    query, norm weight and gate are the group's (GroupRead takes them, stacks them for every kernel of the group
-    and returns their gradients once per group)."""
+    """Phase 2 of one receiver, mixed and normalised: y = RMSNorm_w(h~ + gate r) or RMSNorm_w(r). Its query,
+    key-norm weight, gate and pre-norm weight w are the group's (GroupRead takes them, stacks them for every
+    kernel of the group and returns their gradients once per group)."""
 
     @staticmethod
-    def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor, weight: Tensor,
+    def forward(ctx, spec: Receiver, bank: GradBank, h: Tensor, base: Tensor | None, state: Tensor,
                 null: Tensor | None, *owned: Tensor) -> Tensor:
         read = spec.read                  # with read.stream, h is h~_l and owned[-1] v_l: the kernel makes h~_{l+1}
-        y, h = receiver_forward(read, Inputs(h, base, state, weight, null), promote(weight.dtype, read.x_dtype),
-                                owned[-1] if read.stream else None)
+        y_dtype = promote(read.prenorm_weights.dtype, read.x_dtype)
+        y, h = receiver_forward(read, Inputs(h, base, state, null), y_dtype, owned[-1] if read.stream else None)
         # a saved r stands in for the state
-        ctx.save_for_backward(h, base, None if read.saved_r is not None else state, weight, null)
+        ctx.save_for_backward(h, base, None if read.saved_r is not None else state, null)
         ctx.held = (spec, bank)
         return (y, h) if read.stream else y     # h~_{l+1}, an output
 
@@ -174,7 +176,7 @@ class ReceiverRead(torch.autograd.Function):
         accumulators = bank.pointers(read.table, spec.first)          # (the bank's buffers made at the first)
         dv, stream = (bank.grad(spec.owned[-1]), aligned(dh_stream)) if read.stream else (None, None)
         grads = group.receiver_grads(spec, h, base, accumulators, dv)
-        dh, dweight = receiver_backward(read, inputs, aligned(dy), grads, stream)
+        dh = receiver_backward(read, inputs, aligned(dy), grads, stream)
         dnull, dbase = None, None
         if null is not None:              # the learned null's gradient, from what the kernel left for phase 1
             go = slot_view(group.go, spec.slot, h).view(read.M, -1)
@@ -184,8 +186,7 @@ class ReceiverRead(torch.autograd.Function):
             dnull = _cast(dnull, null.dtype)
         if base is not None and not spec.base_to_group:   # else the group's node returns the base's gradient
             dbase = slot_view(grads.dbase, 0, base)
-        return (None, None, dh, dbase, None, _cast(dweight, inputs.weight.dtype), dnull,
-                *[bank.grad(k) for k in spec.owned])
+        return (None, None, dh, dbase, None, dnull, *[bank.grad(k) for k in spec.owned])
 
 
 class BlockDelta(torch.autograd.Function):
@@ -209,12 +210,15 @@ _group_read, _receiver_read, _block_delta = map(_direct, (GroupRead, ReceiverRea
 
 class GroupedDepthState(DepthState):
     """router.DepthState with grouped, fused reads (when given the sublayer's pre-norm). It keeps no running
-    partial block: the partial is h~ - block_start where a read or a commit needs it."""
+    partial block: the partial is h~ - block_start where a read or a commit needs it. `norms`: every sublayer's
+    pre-norm, then the final norm (the norm each read is given, known before: a group stacks its receivers' norm
+    weights at its start, as it stacks their queries)."""
 
     unadded: Tensor | None = None     # v_l, which the next receiver's node adds to h~_l (add)
 
-    def __init__(self, *args, group_size: int | None = None, **kwargs):
+    def __init__(self, *args, norms: list[nn.Module], group_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.norms = norms
         n_sublayers = len(self.routers) + self.policy.reads_from - int(self.policy.final_read)
         commits = commits_before(self.policy, n_sublayers)
         # fine-grained: a source committed before every sublayer's read (a final read finds none new: it reads
@@ -316,8 +320,10 @@ class GroupedDepthState(DepthState):
             queries = torch.stack([r.query for r in routers])                     # (R, d)
             norm_weights = torch.stack([r.norm_weight for r in routers])          # (R, d)
             gates = torch.cat([r.gate for r in routers]) if routers[0].gate is not None else None   # (R,)
+            reads_from = self.policy.reads_from
+            prenorm_weights = torch.stack([self.norms[reads_from + i].weight for i in members])  # (R, d)
             self.group_output = _group_read(group, self.bank, owned, self.block_start, queries, norm_weights, gates,
-                                            *[committed[k] for k in owned])
+                                            prenorm_weights, *[committed[k] for k in owned])
             self.group = group
         return self.group
 
@@ -327,6 +333,8 @@ class GroupedDepthState(DepthState):
         h_dtype = promote(h.dtype, self.unadded.dtype) if adds else h.dtype
         router = self.router()
         receiver = self.l - self.policy.reads_from
+        if norm is not self.norms[self.l]:
+            raise ValueError(f"sublayer {self.l} is read with a norm other than norms[{self.l}] given to the state")
         if self.observer is not None:
             self.observer(self.l, self.candidates(router), router)
         group = self._group_of(receiver)
@@ -357,13 +365,13 @@ class GroupedDepthState(DepthState):
         learned_null = router.null if self.policy.null_source else None
         null = NULL_NONE if not self.policy.null_source else NULL_ZERO if learned_null is None else NULL_LEARNED
         slot = receiver - group.first_receiver
-        read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.gates, null.value,
-                    self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M, h.shape[-1],
-                    h_dtype, h.device, group.saved_r if saves_r else None, adds)
+        read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.prenorm_weights,
+                    group.gates, null.value, self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M,
+                    h.shape[-1], h_dtype, h.device, group.saved_r if saves_r else None, adds)
         assert not adds or (base is None and owned[-1] == len(self.sources) - 1), "v_l is not the newest own source"
         spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
                         receiver == group.first_receiver and h is group.base, read)
-        out = _receiver_read(spec, self.bank, h, base, self.group_output, norm.weight, learned_null,
+        out = _receiver_read(spec, self.bank, h, base, self.group_output, learned_null,
                              *[self.sources[k] for k in owned])
         if not adds:
             return out

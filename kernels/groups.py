@@ -109,9 +109,10 @@ class Group:
     eps: float
     state_dtype: torch.dtype = None   # r_C's: the sources' (GroupRead's output, never kept here: see GroupRead)
     saved_r: Tensor | None = None     # (R, slab) the read-outs of receivers that keep theirs for their backward
-    queries: Tensor = None            # (R, d) the receivers' queries, norm weights and gates ((R,) or None),
-    norm_weights: Tensor = None       # stacked (detached) once for all the group's kernels, forward and backward
-    gates: Tensor | None = None
+    queries: Tensor = None            # (R, d) the receivers' queries, key-norm weights, gates ((R,) or None)
+    norm_weights: Tensor = None       # and their sublayers' pre-norm weights (R, d), stacked (detached) once for
+    gates: Tensor | None = None       # all the group's kernels, forward and backward
+    prenorm_weights: Tensor = None
     lse_c: Tensor = None              # (R, M)
     lse: Tensor = None                # (R, M) the receivers' full log-sum-exp
     go: Tensor | None = None          # (R, slab) dL/dr per receiver, written by their backwards
@@ -120,8 +121,8 @@ class Group:
     dbase_slots: list[int] = field(default_factory=list)
     dbase_summed: bool = False        # the group's first receiver (whose h~ is `base`) added them to its dh
     du: Tensor | None = None          # (R, programs, d) the receivers' per-program partial sums of du
+    dw: Tensor | None = None          # (R, programs, d) and of their pre-norm weights' gradients
     dgate: Tensor | None = None       # (R, programs) and of dgate
-    dw: tuple[Tensor, ...] = ()       # R x (programs, d) and of each receiver's pre-norm weight's gradient
     written: list[int] = field(default_factory=list)   # the slots whose backward ran (wrote go, D, du, dgate)
 
     def backward_buffers(self, like: Tensor) -> None:
@@ -133,8 +134,7 @@ class Group:
                 self.dbase = slots(n, like, self.state_dtype)
             M, d = like.numel() // like.shape[-1], like.shape[-1]
             programs = backward_wave(M, d, like.device)[0]
-            partials = torch.empty(2, n, programs, d, dtype=torch.float32, device=like.device)   # one allocation
-            self.du, self.dw = partials[0], partials[1].unbind(0)
+            self.du, self.dw = torch.empty(2, n, programs, d, dtype=torch.float32, device=like.device)  # one alloc
             self.dgate = torch.empty(n, programs, dtype=torch.float32, device=like.device)
 
     # The hand-off between the group's two kinds of node: each receiver's backward (they run first) leaves its
@@ -156,16 +156,16 @@ class Group:
             if hi - lo == len(self.dbase_slots):
                 dsum, self.dbase_summed = (self.dbase, lo, hi), True
         self.written.append(spec.slot)
-        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dgate,
-                         self.dw[spec.slot], dsum, dv)
+        return ReadGrads(accumulators, spec.accumulate, self.go, self.D, dbase, dbase_slot, self.du, self.dw,
+                         self.dgate, dsum, dv)
 
-    def receivers_du(self) -> tuple[Tensor, Tensor]:
-        """The receivers' own parts of du (R, d) and dgate (R,), summed over their programs (zero for a receiver
-        whose backward did not run: its output was not used)."""
+    def receivers_sums(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The receivers' own parts of du (R, d), their pre-norm weights' gradients (R, d) and dgate (R,), summed
+        over their programs (zero for a receiver whose backward did not run: its output was not used)."""
         if len(self.written) < len(self.routers):
             missing = [i for i in range(len(self.routers)) if i not in self.written]
-            self.du[missing], self.dgate[missing] = 0.0, 0.0
-        return self.du.sum(1), self.dgate.sum(1)
+            self.du[missing], self.dw[missing], self.dgate[missing] = 0.0, 0.0, 0.0
+        return self.du.sum(1), self.dw.sum(1), self.dgate.sum(1)
 
     def base_grad(self, like: Tensor) -> Tensor | None:
         """The group base's gradient from its receivers' partials, unless the first receiver already added it."""
@@ -176,5 +176,4 @@ class Group:
     def release(self) -> None:
         """After the group's backward, the last to use them: its sources and buffers go."""
         self.table = self.base = self.lse_c = self.lse = self.go = self.D = self.dbase = self.du = self.dgate = None
-        self.dw = ()
-        self.queries = self.norm_weights = self.gates = self.saved_r = None
+        self.dw = self.queries = self.norm_weights = self.gates = self.prenorm_weights = self.saved_r = None

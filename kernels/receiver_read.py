@@ -6,7 +6,7 @@ its sublayer's pre-norm in the same kernel.
   then x = h + gate r (additive) or r (replacement) and y = RMSNorm_w(x), written directly, with the lse.
 - `_receiver_bwd`: recomputes r, x and the norm; dy -> dx -> go = dL/dr; the own sources' gradients into their
   accumulators, the partial block's into dh and (negated) into its base's; go and D = go . r for phase 1's
-  backward; per-program partial sums of du, the norm weight's and the gate's gradients.
+  backward; per-program partial sums of du, the pre-norm weight's and the gate's gradients.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
                   BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
-    the full lse to lse_ptr + slot M. Its query, norm weight and gate are row `slot` of the group's (R, d),
-    (R, d) and (R,) at q_ptr, g_ptr and gate_ptr. With STREAM, h_ptr is h~_l: h = h~_l + v_l (v_ptr, its newest
-    own source) is made here, written to hout_ptr and read on. Rows are split rows (kernels/tiles.py)."""
+    the full lse to lse_ptr + slot M. Row `slot` of the group's (R, d) q_ptr, g_ptr, w_ptr and (R,) gate_ptr is
+    its query, key-norm weight, pre-norm weight and gate. With STREAM, h_ptr is h~_l: h = h~_l + v_l (v_ptr, its
+    newest own source) is made here, written to hout_ptr and read on. Rows are split rows (kernels/tiles.py)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -69,7 +69,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)   # 1.0: h + 1.0 r is h + r
     x = mix(h, r, gate, ADD, X_DTYPE)
     xn = row_round(row_scale(x, tl.rsqrt(row_dot(x, x) / d + norm_eps)), X_DTYPE)
-    row_store(y_ptr, offs, row_mul(row_vector(w_ptr, cols, own), xn), masks)
+    row_store(y_ptr, offs, row_mul(row_vector(w_ptr + slot * d, cols, own), xn), masks)
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
@@ -87,15 +87,15 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
     (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
     table sources' gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and
-    per-program partial sums of dw (norm weight) at dw_ptr (programs, d) and of du and dgate into row `slot` of
-    the group's buffers at du_ptr (R, programs, d) and dgate_ptr (R, programs) (the group's node sums these
-    once per group). With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
+    per-program partial sums of du, dw (the pre-norm weight's) and dgate into row `slot` of the group's
+    buffers at du_ptr and dw_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them, once
+    per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
     the table. With STREAM (the forward made h = h~_l + v_l), the stream's part of dL/dh at dhs_ptr joins the
     read's in dh (replacement: it is dh, passed as dh_ptr), which is then added into v_l's accumulator at dv_ptr."""
     pid = tl.program_id(0)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
-    w = row_vector(w_ptr, cols, own)
+    w = row_vector(w_ptr + slot * d, cols, own)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)
     if NULL == NULL_LEARNED:              # the learned null's vector and logit
         n, z_n = null_source(null_ptr, NULL, u, cols, own, d, eps)
@@ -186,7 +186,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
             accumulate_grad(dv_ptr, row_load(dh_ptr, offs, masks), offs, masks, 1)
     part = slot * tl.num_programs(0) + pid        # this receiver's row of the group's (R, programs) partials
     row_store(du_ptr + part.to(tl.int64) * d, row_offsets(0, cols), du, row_own(own))
-    row_store(dw_ptr + pid * d, row_offsets(0, cols), dw, row_own(own))
+    row_store(dw_ptr + part.to(tl.int64) * d, row_offsets(0, cols), dw, row_own(own))
     tl.store(dgate_ptr + part, tl.sum(dgate, axis=0))
 
 
@@ -227,7 +227,6 @@ class Inputs(NamedTuple):
     h: Tensor                         # (B, T, d) the stream h~ (and the partial block's minuend)
     base: Tensor | None               # the partial block h~ - base's base, or None
     state: Tensor | None              # (R, slab) phase 1's r_C, or None (none committed, or r kept: Read.saved_r)
-    weight: Tensor                    # (d,) the sublayer's pre-norm weight
     null: Tensor | None               # (d,) a learned null source, or None
 
 
@@ -265,6 +264,7 @@ class Read:
     slot: int                         # this receiver's row of the state, lse_c and lse
     queries: Tensor                   # (R, d) the group's w_l: row `slot` is this receiver's
     norm_weights: Tensor              # (R, d) the group's g_l
+    prenorm_weights: Tensor           # (R, d) the group's sublayers' pre-norm weights
     gates: Tensor | None              # (R,) the group's gamma_l, or None
     null: int                         # the null source: NULL_NONE, NULL_ZERO or NULL_LEARNED (Inputs.null)
     eps: float                        # the routing keys' RMSNorm eps
@@ -298,8 +298,8 @@ class Read:
         return {**static, "table": h if self.table is None else self.table.addresses,   # h: never read
                 "state_ptr": h if i.state is None else i.state, "lse_c_ptr": self.lse_c, "h_ptr": h,
                 "base_ptr": h if i.base is None else i.base, "q_ptr": self.queries, "g_ptr": self.norm_weights,
-                "gate_ptr": i.weight if self.gates is None else self.gates, "w_ptr": i.weight, "lse_ptr": self.lse,
-                "null_ptr": i.weight if i.null is None else i.null,
+                "gate_ptr": self.queries if self.gates is None else self.gates, "w_ptr": self.prenorm_weights,
+                "lse_ptr": self.lse, "null_ptr": self.queries if i.null is None else i.null,
                 "r_ptr": h if self.saved_r is None else self.saved_r}
 
     def reads(self, i: Inputs, backward: bool) -> list:
@@ -317,9 +317,9 @@ class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
     kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
-    lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du (R,
-    programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (backward_wave),
-    row `slot` this receiver's; dw (programs, d): this receiver's slot of the group's for its norm weight."""
+    lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du and dw
+    (R, programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (backward_wave),
+    row `slot` this receiver's."""
     accumulators: tuple[Tensor, Tensor, int, int]
     accumulate: bool
     go: Tensor | None
@@ -327,8 +327,8 @@ class ReadGrads:
     dbase: Tensor | None
     dbase_slot: int
     du: Tensor
-    dgate: Tensor
     dw: Tensor
+    dgate: Tensor
     dsum: tuple[Tensor, int, int] | None = None
     dv: Tensor | None = None          # (B, T, d) v_l's accumulator, where dL/dh joins (Read.stream)
 
@@ -341,8 +341,8 @@ def backward_wave(M: int, d: int, device: torch.device) -> tuple[int, int]:
 
 
 def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(y, h): y = RMSNorm_weight(h + gate r) (add) or RMSNorm_weight(r), r over [the state's slot] + the table's
-    sources [+ h - base] [+ the null source]; writes lse[slot]. h is i.h, or with read.stream h~_l + v_l (i.h, v)."""
+    """(y, h): y = RMSNorm_w(h + gate r) (add) or RMSNorm_w(r), r over [the state's slot] + the table's sources
+    [+ h - base] [+ the null source]; writes lse[slot]. h is i.h, or with read.stream h~_l + v_l (i.h, v)."""
     h = i.h
     y = torch.empty_like(h, dtype=y_dtype)
     made = torch.empty_like(h, dtype=read.h_dtype) if read.stream else h
@@ -360,9 +360,9 @@ def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype, v: Tensor | No
 
 
 def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
-                      dh_stream: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
-    """Backward of receiver_forward into `out` (ReadGrads). Returns (dh, dweight) (dh None when h is unused);
-    du's and dgate's partial sums are left in out.du and out.dgate for the group. A learned null's own gradient
+                      dh_stream: Tensor | None = None) -> Tensor | None:
+    """Backward of receiver_forward into `out` (ReadGrads). Returns dh (None when h is unused); the partial sums
+    of du, dw and dgate are left in out.du, out.dw and out.dgate for the group. A learned null's own gradient
     and its du term are left to grouped_state.learned_null_grads, from go, D and lse. With read.stream, dh_stream
     (the stream's part of dL/dh) joins dh, which is also added to v_l's gradient at out.dv."""
     h, table, slot, launches = i.h, read.table, read.slot, read.launches
@@ -383,7 +383,7 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
         reads += [(dh, 1)] if reloads else []
         if read.stream:                   # the stream's part [into dh], then dL/dh read into v_l's accumulator
             reads += [(dh_stream, 1)] + ([(dh, 1)] if uses_h else []) + [(out.dv, 1)]
-        writes = grads + [out.du[slot], out.dw, out.dgate[slot]] + ([out.dv] if read.stream else [])
+        writes = grads + [out.du[slot], out.dw[slot], out.dgate[slot]] + ([out.dv] if read.stream else [])
         writes += ([dh] * (1 + reloads) if uses_h else [])
         writes += [slot_view(out.dbase, out.dbase_slot, h)] if read.has_base else []
         return reads, writes + ([slot_view(out.go, slot, h), out.D[slot]] if read.has_state else [])
@@ -397,4 +397,4 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
                 ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1,
                 dhs_ptr=h if dh_stream is None else dh_stream, dv_ptr=h if out.dv is None else out.dv)
     launch(_receiver_bwd, launches.programs, io, h.device, args)
-    return dh, torch.sum(out.dw, 0)
+    return dh

@@ -237,7 +237,7 @@ def run_state(cls, residual, options, group_size, router_options, scale, d=96):
     e = torch.randn(2, 7, d, generator=g).requires_grad_()
     leaves = [e, *maps, *routers.parameters(), *(n.weight for n in norms)]
     routers, norms = routers.to(DEVICE), [n.to(DEVICE) for n in norms]
-    extra = {"group_size": group_size} if cls is GroupedDepthState else {}
+    extra = {"group_size": group_size, "norms": norms} if cls is GroupedDepthState else {}
     state = cls(policy, routers, e.to(DEVICE), reference, 1e-6, **extra)
     ys = []
     for l in range(2 * n_layers):
