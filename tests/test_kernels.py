@@ -284,6 +284,18 @@ def test_phase_one_on_split_rows(d, nan_empty):
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)
 
 
+def test_a_read_given_a_norm_other_than_the_states_says_so():
+    """A group stacks its receivers' pre-norm weights at its start, from the norms the state was given: a read
+    given another norm (whose weight the kernels would not use) is an error, not a silent mix-up."""
+    d, policy = 16, make_policy("delta", 2)
+    routers = torch.nn.ModuleList(Router(d, gate=False) for _ in range(policy.n_receivers(4)))
+    norms = [RMSNorm(d, 1e-6) for _ in range(5)]
+    state = GroupedDepthState(policy, routers, torch.randn(1, 3, d), reference, 1e-6, norms=norms)
+    state.add(torch.tanh(state.input(norms[0])))
+    with pytest.raises(ValueError, match=r"sublayer 1 is read with a norm other than norms\[1\]"):
+        state.input(RMSNorm(d, 1e-6))
+
+
 @pytest.mark.parametrize("peek", [False, True], ids=["receivers-add", "stream-read-between"])
 def test_a_receiver_that_makes_the_streams_add_gives_the_reference_gradients(peek, monkeypatch, nan_empty):
     """A fine-grained group's later receivers make the stream's add for their newest source (GroupedDepthState.add)
