@@ -72,46 +72,48 @@ def _direct(function: type[torch.autograd.Function]) -> Callable:
 
 
 class GroupRead(torch.autograd.Function):
-    """Phase 1 of a group. Inputs: the group's base h~, its receivers' queries, key-norm weights, gates and
-    sublayers' pre-norm weights stacked ((R, d), (R, d), (R,) or None, (R, d): autograd's stack hands each
+    """Phase 1 of a group. Inputs: the group's base h~; its receivers' queries, key-norm weights and sublayers'
+    pre-norm weights stacked in one (3 R, d) and its gates in one (R,) (or None): autograd's stack hands each
     router and norm its row of the gradients, which this node returns once for the group, phase 1's part and the
-    receivers' own, which their backwards leave in the group), then the committed sources this node owns.
+    receivers' own, which their backwards leave in the group; then the committed sources this node owns.
     Output: the r_C buffer (R, slab), which every receiver of the group takes as an input, so this node's
     backward runs after theirs. The output's grad_fn is this node, whose context holds the group: so the group
     never holds the output (that would be a reference cycle through the graph)."""
 
     @staticmethod
-    def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, queries: Tensor,
-                norm_weights: Tensor, gates: Tensor | None, prenorm_weights: Tensor, *sources: Tensor) -> Tensor:
+    def forward(ctx, group: Group, bank: GradBank, owned: list[int], base: Tensor, params: Tensor,
+                gates: Tensor | None, *sources: Tensor) -> Tensor:
         ctx.set_materialize_grads(False)
         ctx.held, ctx.owned = (group, bank), owned
         like = group.table.tensors[0]
         M, R = like.numel() // like.shape[-1], len(group.routers)
-        queries = group.queries = queries.detach()             # for every kernel of the group, forward and backward
-        norm_weights = group.norm_weights = norm_weights.detach()
+        # (R, d) each, for every kernel of the group, forward and backward
+        group.queries, group.norm_weights, group.prenorm_weights = params.detach().view(3, R, -1).unbind(0)
         group.gates = None if gates is None else gates.detach()
-        group.prenorm_weights = prenorm_weights.detach()
         state = slots(R, like, group.state_dtype)
         group.lse_c = torch.empty(R, M, dtype=torch.float32, device=like.device)
         group.lse = torch.empty_like(group.lse_c)
-        group_forward(group.table, queries, norm_weights, group.eps, state, group.lse_c)
-        ctx.params = (queries, norm_weights)
+        group_forward(group.table, group.queries, group.norm_weights, group.eps, state, group.lse_c)
         return state
 
     @staticmethod
     def backward(ctx, _):
         group, bank = _take(ctx)
-        queries, norm_weights = ctx.params
+        queries, norm_weights = group.queries, group.norm_weights
         like = group.table.tensors[0]
         group.backward_buffers(like)
         du = group_backward(group.table, queries, norm_weights, group.eps, group.go, group.D, group.lse,
                             bank.pointers(group.table, 0), accumulate=not group.last)
         du_own, dw, dgate = group.receivers_sums()
         du += du_own                      # the committed sources' part (phase 1) + the receivers' own
-        dq, dg = _cast(du * norm_weights, queries.dtype), _cast(du * queries, norm_weights.dtype)  # e = rstd s.(w*g)
+        dparams = torch.empty((3, *du.shape), dtype=queries.dtype, device=du.device)   # the stack's gradient
+        dq, dg, dprenorm = dparams.unbind(0)
+        torch.mul(du, norm_weights, out=dq)   # e = rstd s . (w * g), rounded once into the parameters' dtype
+        torch.mul(du, queries, out=dg)
+        dprenorm.copy_(dw)
         dgate = None if group.gates is None else _cast(dgate, group.gates.dtype)
-        dw = _cast(dw, group.prenorm_weights.dtype)
-        grads = (None, None, None, group.base_grad(like), dq, dg, dgate, dw, *[bank.grad(k) for k in ctx.owned])
+        grads = (None, None, None, group.base_grad(like), dparams.view(-1, du.shape[-1]), dgate,
+                 *[bank.grad(k) for k in ctx.owned])
         group.release()
         return grads
 
@@ -246,7 +248,7 @@ class GroupedDepthState(DepthState):
         self.block_start = self.h         # (B, T, d) h~ at the last commit
         self.group: Group | None = None
         self.group_output: Tensor | None = None   # the current group's r_C buffer, as GroupRead returned it
-        self.owned: set[int] = set()      # sources whose gradient some node already returns
+        self.claimed = 0                  # sources[:claimed] have their gradient returned by some node
         self.outputs_since_commit: list[Tensor] = []
 
     def router(self) -> Router:
@@ -300,9 +302,11 @@ class GroupedDepthState(DepthState):
             self.block_start, self.outputs_since_commit = self._h if self.unadded is None else None, []
 
     def _claim(self, indices: range) -> list[int]:
-        """The sources among `indices` that no earlier node reads: the reading node returns their gradients."""
-        new = [k for k in indices if k not in self.owned]
-        self.owned.update(new)
+        """The sources among `indices` that no earlier node reads: the reading node returns their gradients. Every
+        node reads up to the newest source, so the sources read so far are sources[:claimed]."""
+        assert indices.start <= self.claimed and indices.stop == len(self.sources), "a read skips a source"
+        new = list(range(self.claimed, indices.stop))
+        self.claimed = max(self.claimed, indices.stop)
         return new
 
     def _group_of(self, receiver: int) -> Group:
@@ -317,13 +321,12 @@ class GroupedDepthState(DepthState):
             # the group's output is kept here, never on the group: the group is in the node's context, and a
             # tensor whose grad_fn is that node would close a cycle no collector sees
             # stacked here, where autograd records the stack: its backward splits the group's gradients per router
-            queries = torch.stack([r.query for r in routers])                     # (R, d)
-            norm_weights = torch.stack([r.norm_weight for r in routers])          # (R, d)
+            # and norm. (3 R, d): the queries, the key-norm weights, the pre-norm weights
+            params = torch.stack([r.query for r in routers] + [r.norm_weight for r in routers]
+                                 + [self.norms[self.policy.reads_from + i].weight for i in members])
             gates = torch.cat([r.gate for r in routers]) if routers[0].gate is not None else None   # (R,)
-            reads_from = self.policy.reads_from
-            prenorm_weights = torch.stack([self.norms[reads_from + i].weight for i in members])  # (R, d)
-            self.group_output = _group_read(group, self.bank, owned, self.block_start, queries, norm_weights, gates,
-                                            prenorm_weights, *[committed[k] for k in owned])
+            self.group_output = _group_read(group, self.bank, owned, self.block_start, params, gates,
+                                            *[committed[k] for k in owned])
             self.group = group
         return self.group
 

@@ -63,19 +63,21 @@ class GradBank:
         self.like = embedding                       # shape and device: made before every node, so no cycle
         self.dtypes: list[torch.dtype] = []         # of sources[k], in commit order
         self.position: list[int] = []               # of sources[k] among the sources of its dtype
+        self.counts: dict[torch.dtype, int] = {}    # sources per dtype
         self.buffers: dict[torch.dtype, Tensor] = {}
         self.views: dict[torch.dtype, tuple[Tensor, ...]] = {}   # (B, T, d) views of the buffers' slots
 
     def add(self, source: Tensor) -> None:
         """Record the next committed source."""
-        self.position.append(self.dtypes.count(source.dtype))
-        self.dtypes.append(source.dtype)
+        dtype = source.dtype
+        self.position.append(self.counts.get(dtype, 0))
+        self.counts[dtype] = self.position[-1] + 1
+        self.dtypes.append(dtype)
 
     def pointers(self, table: SourceTable | None, first: int) -> tuple[Tensor, Tensor, int, int]:
         """(acc_a, acc_b, off_a, off_b) for a table of sources[first:...] (the kernels' accumulator arguments)."""
         if not self.buffers:
-            counts = {dtype: self.dtypes.count(dtype) for dtype in self.dtypes}
-            self.buffers = {dtype: slots(n, self.like, dtype) for dtype, n in counts.items()}
+            self.buffers = {dtype: slots(n, self.like, dtype) for dtype, n in self.counts.items()}
             numel, shape = self.like.numel(), self.like.shape    # every slot's view, made at once
             self.views = {dtype: b[:, :numel].view(b.shape[0], *shape).unbind(0) for dtype, b in self.buffers.items()}
         if table is None:

@@ -209,7 +209,7 @@ class SourceList:
             raise ValueError(f"the depth-routing kernels take sources of dtype {', '.join(map(str, DTYPES))}; "
                              f"got {s.dtype} (the reference router.depth_route takes any float dtype)")
         s = aligned(s)
-        if self.host_addresses is None or i == len(self.host_addresses):
+        if self.host_view is None or i == len(self.host_view):    # (numpy's len: Tensor.__len__ costs a us)
             self._grow(s.device)
         self.host_view[i] = s.data_ptr()
         if i and s.dtype != self.dtypes[-1]:
