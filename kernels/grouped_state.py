@@ -118,7 +118,7 @@ class GroupRead(torch.autograd.Function):
         return grads
 
 
-@dataclass
+@dataclass(slots=True)
 class Receiver:
     """One receiver's read: its group and slot, its own sources (sources[first:...]) and how it mixes."""
     group: Group

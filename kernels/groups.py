@@ -98,7 +98,7 @@ class GradBank:
         return self.views[self.dtypes[k]][self.position[k]]
 
 
-@dataclass
+@dataclass(slots=True)
 class Group:
     """What one group's receivers share: phase 1's tables and buffers, and what their backwards leave for it."""
     index: int

@@ -152,7 +152,7 @@ def aligned(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-@dataclass
+@dataclass(slots=True)
 class SourceTable:
     """The sources of one read as the kernels see them: contiguous and 16-byte aligned (a copy of any that is
     not), ordered by dtype (the n_a of sources[0]'s dtype first), and their addresses on the device, uploaded

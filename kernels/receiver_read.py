@@ -254,7 +254,7 @@ def _launches(n_a: int, n_b: int, a_dtype: tl.dtype, b_dtype: tl.dtype, slot: in
                     programs)
 
 
-@dataclass
+@dataclass(slots=True)
 class Read:
     """One receiver's read, as both of its kernels take it, less its Inputs. M = B T rows of width d; the group's
     buffers hold one slot (row) per receiver of the group, R in all."""
@@ -312,7 +312,7 @@ class Read:
         return reads + ([(h, 1)] if reads_h else []) + ([(i.base, 1)] if i.base is not None else [])
 
 
-@dataclass
+@dataclass(slots=True)
 class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
     kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
