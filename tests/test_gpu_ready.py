@@ -15,12 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import json
+import os
 from dataclasses import asdict
 import triton.language as tl
 from kernels.tools import aot
 from kernels.launch import Launch
 
-results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled] for d, compiled in aot.compile_all().items()}
+results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled] for d, compiled in aot.compile_all(jobs=os.cpu_count()).items()}
 
 def bad(d, kernel="_route_fwd", launches=aot.api_launches(1280), **config):
     # a launch of `kernel` over bf16 sources at width d with the given launch shape, as the launcher would bind it

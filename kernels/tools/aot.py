@@ -1,7 +1,8 @@
 """Compile the depth-routing kernels for an H100/H200 (sm_90) on any machine, and read what the compiler made.
 
-    python -m kernels.tools.aot                   # every specialisation the model launches at d = 768, 1024, 1280, 4096
+    python -m kernels.tools.aot                   # every specialisation the model launches at d = 768 ... 4096
     python -m kernels.tools.aot --json out.json   # also save the table
+    python -m kernels.tools.aot --jobs 1          # in one process (default: one per CPU)
 
 The pinned Triton wheel compiles for sm_90 without a GPU and ships NVIDIA's assembler (ptxas). The
 specialisations compiled are exactly those a GPU run launches: the model runs one training step on the meta
@@ -18,12 +19,15 @@ of the software pipeline), never element by element (`ld.global.b16` is 2 bytes)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import tempfile
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -227,20 +231,38 @@ def stated_reason(c: Compiled, problem: str) -> str | None:
     return None
 
 
-def compile_all(widths: tuple[int, ...] = PAPER_WIDTHS) -> dict[int, list[Compiled]]:
-    """Every specialisation the model and the public depth_route launch, compiled, for each width."""
-    return {d: [compile_one(name, spec) for name, spec in specialisations(model_launches(d) + api_launches(d)).items()]
-            for d in widths}
+def _compile_part(d: int, part: int, parts: int) -> list[Compiled]:
+    """Every parts-th specialisation at width d from the part-th (each process finds the launches itself: the
+    specialisations hold compiler objects that do not pickle, and finding them takes a second or two)."""
+    found = list(specialisations(model_launches(d) + api_launches(d)).items())
+    return [compile_one(name, spec) for name, spec in found[part::parts]]
+
+
+def compile_all(widths: tuple[int, ...] = PAPER_WIDTHS, jobs: int = 1) -> dict[int, list[Compiled]]:
+    """Every specialisation the model and the public depth_route launch, compiled, for each width, in `jobs`
+    processes: Triton's compiler is single-threaded, and 490 specialisations take some 12 minutes of one core
+    when its cache is empty (a fresh machine)."""
+    if jobs <= 1:
+        return {d: _compile_part(d, 0, 1) for d in widths}
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = {d: [pool.submit(_compile_part, d, i, jobs) for i in range(jobs)] for d in widths}
+        results = {d: [p.result() for p in futures] for d, futures in parts.items()}
+    # back in order: the i-th specialisation is the (i // jobs)-th of part i % jobs
+    return {d: [c for round_ in itertools.zip_longest(*lists) for c in round_ if c is not None]
+            for d, lists in results.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=list(PAPER_WIDTHS))
     parser.add_argument("--json", help="also write the table to this file")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiler processes (default: one per CPU)")
     args = parser.parse_args()
     if not os.path.exists(PTXAS):
         raise SystemExit(f"this Triton wheel has no ptxas at {PTXAS}")
-    results = compile_all(tuple(args.widths))
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: allowed values are integers >= 1")
+    results = compile_all(tuple(args.widths), args.jobs)
     failed = 0
     for d, compiled in results.items():
         for c in compiled:
