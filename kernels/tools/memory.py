@@ -36,7 +36,10 @@ def saved_bytes(model: Model, idx: torch.Tensor) -> int:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             storages[storage.data_ptr()] = storage.nbytes()
-        return t          # kept alive by the graph, so no address is reused while we count
+        # Kept alive by the graph, so no address is reused while we count; detached, since the tensor itself (an
+        # op's output has the op as grad_fn) would be a reference cycle through an autograd node, which Python's
+        # collector cannot see: the abandoned graph, and the kernel path's groups with it, would never be freed.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(idx)
