@@ -21,7 +21,8 @@ import triton.language as tl
 from kernels.tools import aot
 from kernels.launch import Launch
 
-results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled] for d, compiled in aot.compile_all(jobs=os.cpu_count()).items()}
+results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled]
+           for d, compiled in aot.compile_all(jobs=os.cpu_count()).items()}
 
 def bad(d, kernel="_route_fwd", launches=aot.api_launches(1280), **config):
     # a launch of `kernel` over bf16 sources at width d with the given launch shape, as the launcher would bind it
