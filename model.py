@@ -25,7 +25,7 @@ GATED_QUERY_INIT_STD = 0.02  # the default query init with gate=True: the author
 
 
 def uses_kernel(kernel: str, device: torch.device) -> bool:
-    """The one dispatch point between the Triton kernels (kernels/) and the reference (router.py): "auto"
+    """The one dispatch point between the Triton kernels (depth_kernels/) and the reference (router.py): "auto"
     uses the kernels for CUDA tensors and the reference elsewhere; "triton" and "reference" force either
     ("triton" on CPU needs TRITON_INTERPRET=1, which is how the tests run it)."""
     if kernel not in KERNELS:
@@ -273,7 +273,7 @@ class Model(nn.Module):
         n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
         self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate, cfg.query_std, cfg.learned_null)
                                      for _ in range(n_receivers))
-        self.route = depth_route        # Eq. 1 on the reference path (the kernel path reads with kernels/)
+        self.route = depth_route        # Eq. 1 on the reference path (the kernel path reads with depth_kernels/)
         self.routing_observer = None    # see router.DepthState; None costs nothing
         self.init_weights()
 
@@ -316,7 +316,8 @@ class Model(nn.Module):
         baseline has nothing to route and always takes the plain path)."""
         args = (self.policy, self.routers, embedding, self.route, self.cfg.norm_eps, self.routing_observer)
         if self.policy.read != "none" and uses_kernel(self.cfg.kernel, embedding.device):
-            from kernels.grouped_state import GroupedDepthState  # lazily: Triton decides at import whether to interpret
+            # lazily: Triton decides at import whether to interpret
+            from depth_kernels.grouped_state import GroupedDepthState
             norms = [norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             return GroupedDepthState(*args, norms=norms + [self.norm])
         return DepthState(*args)

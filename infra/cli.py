@@ -6,7 +6,7 @@ under torchrun only rank 0 prints it, since every rank meets the same mistake. A
 Python's full traceback. The exception's type decides, as in argparse and click: not where it was raised, so a
 helper function may raise a UserError for its caller.
 
-Library code (model.py, router.py, kernels/) knows nothing of users and raises ValueError; where user input
+Library code (model.py, router.py, depth_kernels/) knows nothing of users and raises ValueError; where user input
 reaches it (a ModelConfig made from a config file or a checkpoint's model_config), the caller turns that
 ValueError into a UserError with the same message (config.checked).
 

@@ -214,8 +214,8 @@ def compile_sublayers(model: Model, backend: str | Callable = "inductor") -> Non
     kernel path applies the pre-norms itself and calls only the final norm). Depth routing runs between the
     compiled sublayers (its fast path is a kernel), so its number of sources, which changes from sublayer to
     sublayer, never reaches a compiled graph; the kernel path's reads are also kept out of a graph traced
-    around the whole model (kernels/grouped_state.py), which then breaks at each read. Forwards are replaced in place:
-    parameter names, FSDP hooks and checkpoint keys stay as they are.
+    around the whole model (depth_kernels/grouped_state.py), which then breaks at each read. Forwards are replaced in
+    place: parameter names, FSDP hooks and checkpoint keys stay as they are.
     """
     modules = [model.norm] + [m for layer in model.layers
                               for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
@@ -232,7 +232,7 @@ def shard(model: Model, ctx: Context, precision: str = "auto") -> None:
     MLP]: FSDP all-gathers it before the attention call and frees it after the MLP call, and its hooks run
     around the sublayers' (compiled) forwards, never inside them. The pre-norms stay with the root (2 L d
     numbers): the routing reads their weights directly when it fuses the read with the norm
-    (kernels/grouped_state.py), outside any module call that could trigger an all-gather. The root keeps its
+    (depth_kernels/grouped_state.py), outside any module call that could trigger an all-gather. The root keeps its
     parameters in fp32 and the layers are gathered in the compute dtype, as the precision rule says (the
     module's docstring): the one difference from DDP's autocast is that a layer's q/k-norm weights, which sit
     in its attention, compute as bf16 copies there. Gradients are reduced in fp32; the sharded fp32 copies are

@@ -11,13 +11,13 @@ left, none starts once it is spent. The multi-GPU phases come after it, outside 
 
     phase              cap    what
     environment         30 s  GPU name and count, torch, Triton, CUDA and Python versions, the commit
-    traffic             45 s  kernels.tools.traffic.measure() on CPU: the bytes per token routing adds to each 1044M
-                              config and the tokens/s ratio it predicts on H100 and H200 (regime "autocast")
+    traffic             45 s  depth_kernels.tools.traffic.measure() on CPU: the bytes per token routing adds to each
+                              1044M config and the tokens/s ratio it predicts on H100 and H200 (regime "autocast")
     tests              150 s  tests/test_kernels.py, test_memory.py, test_whole_run.py on the real compiler
-    routing             60 s  kernels.tools.bench.bench_routing: routing time, bandwidth against a measured copy
-    kernel_bandwidth    90 s  kernels.tools.bench.kernel_bandwidth: each kernel of one 1044M training step, alone
+    routing             60 s  depth_kernels.tools.bench.bench_routing: routing time, bandwidth against a measured copy
+    kernel_bandwidth    90 s  depth_kernels.tools.bench.kernel_bandwidth: each kernel of one 1044M training step, alone
     host                30 s  CPU time per routed read before its launch, and per 1044M-depth step (tools.host)
-    model_<config>     100 s  kernels.tools.bench.bench_model for 1044m_baseline, _delta_block, _delta: tokens/s,
+    model_<config>     100 s  depth_kernels.tools.bench.bench_model for 1044m_baseline, _delta_block, _delta: tokens/s,
                               peak and allocated memory at step 5 and step 20
     multi_gpu_<mode>   300 s  train.py configs/1044m_delta_block.py under torchrun, ddp and fsdp, on random
                               uint32 tokens (--multi-gpu, 2+ devices): its log lines (tokens/s, peak memory)
@@ -27,7 +27,7 @@ JSON (default results/gpu/<GPU name>.json) is rewritten atomically before and af
 or a kill keeps what ran: the GPU name and versions, then "phases": {name: {"status": "ok" | "failed" |
 "timed out" | "skipped" (with "reason") | "running" (when killed in it), "seconds", "cap_s", results...,
 "output_tail"}}, then "checks". The checks are regression checks: each routed config's tokens/s relative to
-the baseline >= what kernels.tools.traffic predicts for this GPU - 0.05; flat memory (peak at step 20 <= 1.02 x
+the baseline >= what depth_kernels.tools.traffic predicts for this GPU - 0.05; flat memory (peak at step 20 <= 1.02 x
 peak at step 5, allocated after step 20 within 1% of after step 5); the CUDA tests pass. The project's goals
 (0.97x and 0.85x tokens/s, 1.05x and 1.25x peak memory) are printed beside. Exit status 1 if a phase failed
 or timed out or a check FAILed; Ctrl-C or SIGTERM ends the running phase and writes the JSON first.
@@ -47,7 +47,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_CONFIGS = ("1044m_baseline", "1044m_delta_block", "1044m_delta")    # as kernels/tools/bench.py
+MODEL_CONFIGS = ("1044m_baseline", "1044m_delta_block", "1044m_delta")    # as depth_kernels/tools/bench.py
 PHASES = {"environment": 30, "traffic": 45, "tests": 150, "routing": 60, "kernel_bandwidth": 90, "host": 30,
           **{f"model_{c}": 100 for c in MODEL_CONFIGS}}                      # name -> cap (s)
 MULTI_GPU = {"multi_gpu_ddp": 300, "multi_gpu_fsdp": 300}
@@ -55,7 +55,7 @@ CPU_PHASES = ("environment", "traffic", "host")
 BUDGET_S = 470
 CUDA_TESTS = ("tests/test_kernels.py", "tests/test_memory.py", "tests/test_whole_run.py")
 MULTI_GPU_CONFIG = "configs/1044m_delta_block.py"
-MICRO_BATCH = 4                # sequences of 1024 tokens per GPU and step, as kernels.tools.bench.TOKENS
+MICRO_BATCH = 4                # sequences of 1024 tokens per GPU and step, as depth_kernels.tools.bench.TOKENS
 ENV_KEYS = ("gpu", "device_count", "cuda_available", "torch", "triton", "cuda", "python", "executable",
             "commit", "dirty")
 GOALS = {"1044m_delta_block": (0.97, 1.05), "1044m_delta": (0.85, 1.25)}  # tokens/s, peak memory vs baseline
@@ -300,7 +300,7 @@ def multi_gpu(mode: str, args: argparse.Namespace, save) -> dict:
 
 def run_worker(args: argparse.Namespace) -> None:
     """One phase, in its own process: its figures go to args.result, rewritten as they come."""
-    from kernels.tools import bench, host
+    from depth_kernels.tools import bench, host
 
     def save(result: dict) -> None:
         write_json(args.result, result)

@@ -142,7 +142,7 @@ def test_checks_hold_speed_to_the_prediction_and_memory_flat():
     assert [c["check"].split()[0] for c in checks] == ["CUDA", "1044m_delta_block", "1044m_delta", "1044m_baseline",
                                                        "1044m_delta_block", "1044m_delta"]
     assert [c["result"] for c in checks] == ["FAIL", "PASS", "FAIL", "PASS", "PASS", "FAIL"]
-    record["gpu"] = "NVIDIA A100-SXM4-80GB"   # kernels.tools.traffic predicts nothing for it: not run, not PASS
+    record["gpu"] = "NVIDIA A100-SXM4-80GB"   # depth_kernels.tools.traffic predicts nothing for it: not run, not PASS
     speed = [c for c in gpu_check.checks(record) if "tokens/s" in c["check"]]
     assert {c["result"] for c in speed} == {"not run"}
 

@@ -1,5 +1,5 @@
 """The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU
-needed (kernels/tools/aot.py): every specialisation the model launches at the paper's widths compiles, spills
+needed (depth_kernels/tools/aot.py): every specialisation the model launches at the paper's widths compiles, spills
 nothing, fits its programs per SM, moves its tiles in 128-bit transfers, and keeps enough bytes in flight
 with few masked lanes (or a stated reason covers it). Five deliberately bad builds show that the rules can
 fail. The compiler runs in a fresh process: the other kernel tests put Triton in
@@ -18,8 +18,8 @@ import json
 import os
 from dataclasses import asdict
 import triton.language as tl
-from kernels.tools import aot
-from kernels.launch import Launch
+from depth_kernels.tools import aot
+from depth_kernels.launch import Launch
 
 results = {d: [dict(asdict(c), problems=aot.check(c)) for c in compiled]
            for d, compiled in aot.compile_all(jobs=os.cpu_count()).items()}
@@ -41,7 +41,7 @@ print(json.dumps({"results": results, "controls": controls}))
 
 @pytest.fixture(scope="module")
 def compiled():
-    from kernels.tools.aot import PTXAS
+    from depth_kernels.tools.aot import PTXAS
     if not os.path.exists(PTXAS):
         pytest.skip(f"this Triton wheel has no ptxas ({PTXAS}): cannot compile for sm_90 here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -13,10 +13,10 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.depth_route import depth_route  # noqa: E402
-from kernels.launch import SourceList, observe_launches  # noqa: E402
-from kernels.grouped_state import GroupedDepthState  # noqa: E402
-from kernels.groups import fine_group_size  # noqa: E402
+from depth_kernels.depth_route import depth_route  # noqa: E402
+from depth_kernels.launch import SourceList, observe_launches  # noqa: E402
+from depth_kernels.grouped_state import GroupedDepthState  # noqa: E402
+from depth_kernels.groups import fine_group_size  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
 from router import DepthState, Router, make_policy  # noqa: E402
 from router import depth_route as reference  # noqa: E402
@@ -60,7 +60,7 @@ def assert_close(got, want, rtol, atol_scale):
 
 # fp32: both paths accumulate in fp32 in a different order: 1e-5 of the tensor's scale.
 # bf16: the reference upcasts to fp32 and rounds its results to bf16 once (<= 0.5 ulp); the kernels round fp32
-# values summed in another order, to nearest as a GPU does (the interpreter too: kernels/launch.py), so results
+# values summed in another order, to nearest as a GPU does (the interpreter too: depth_kernels/launch.py), so results
 # may differ by 1 bf16 ulp = 2^-7 relative where those values straddle a rounding point; we allow 2 ulp (2^-6).
 # The query and norm weight gradients are fp32 sums in both paths and keep the fp32 tolerance.
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -6, 1e-5)}
@@ -170,7 +170,7 @@ def test_kernel_rejects_bad_sources(bad, message):
 
 
 def test_kernel_on_cpu_without_interpreter_says_how_to_run():
-    code = ("import torch; from kernels.depth_route import depth_route; "
+    code = ("import torch; from depth_kernels.depth_route import depth_route; "
             "depth_route([torch.ones(1, 1, 4)], torch.ones(4), torch.ones(4))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -186,7 +186,7 @@ def _rounds(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
 
 
 def test_kernels_round_fp32_to_bfloat16_to_nearest_even_as_torch_does():
-    """Under the interpreter as on a GPU: Triton's interpreter truncates, which kernels/launch.py corrects. Ties
+    """Under the interpreter as on a GPU: Triton's interpreter truncates, which depth_kernels/launch.py corrects. Ties
     go to even; both signs, subnormals, the largest values (to inf), inf and nan."""
     one_ulp = 2.0 ** -7                               # of bf16 at 1.0
     ties = [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2)]
@@ -264,7 +264,7 @@ def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, n
     """Phase 1's backward as it is built for a GPU: R_BLOCK receivers per pass taken in GROUPS groups of
     R_BLOCK / GROUPS. Groups of 7 receivers and 1 take two passes (4 + 3) or one, with a group partly past the
     last receiver and groups wholly past it: every input and gradient as the reference's."""
-    from kernels import group_read
+    from depth_kernels import group_read
     config = group_read._group_config
     compiled = dict(R_BLOCK=r_block, GROUPS=groups)
     monkeypatch.setattr(group_read, "_group_config", lambda d, backward, element_size=2:
@@ -274,11 +274,11 @@ def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, n
 
 @pytest.mark.parametrize("d", [80, 64, 96])
 def test_phase_one_on_split_rows(d, nan_empty):
-    """Phase 1 holds a row as a head tile and a tail tile (kernels.launch.row_split): at d = 80 under the
+    """Phase 1 holds a row as a head tile and a tail tile (depth_kernels.launch.row_split): at d = 80 under the
     interpreter, 64 lanes + a 32-lane tail over columns 48..79 whose first 16 (the head's) are masked off; at
     96 an exact 64 + 32; at 64 one tile. Every input and gradient as the reference's."""
-    from kernels import group_read
-    from kernels.launch import row_split
+    from depth_kernels import group_read
+    from depth_kernels.launch import row_split
     assert group_read._group_config(d, backward=True)["BLOCK_T"] == {80: 32, 64: 0, 96: 32}[d]
     assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0) and row_split(2048, 512) == (2048, 0)
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)

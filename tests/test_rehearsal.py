@@ -43,7 +43,7 @@ def test_kernel_path_trains_as_the_reference_does_and_resumes_exactly(results, w
 def test_the_rehearsal_sees_a_wrong_gradient(tmp_path, monkeypatch):
     """A kernel path that drops the learned null sources' gradient trains differently, by more than the
     tolerance, within the same few steps."""
-    from kernels import grouped_state
+    from depth_kernels import grouped_state
     monkeypatch.setattr(grouped_state, "learned_null_grads", lambda null, *a: (null * 0, null.new_zeros(null.shape)))
     r, = rehearsal.rehearse(("single",), ["delta, gate, learned null"], STEPS, str(tmp_path))
     assert r["max_abs_diff"] > rehearsal.TOLERANCE, r

@@ -32,7 +32,7 @@ def module_name(path: str) -> str:
 
 # The importable modules: the top level and the packages (configs are run as files, tests by pytest).
 MODULES = {module_name(p): p for p in python_files()
-           if os.sep not in p or p.startswith(("infra" + os.sep, "kernels" + os.sep, "experiments" + os.sep))}
+           if os.sep not in p or p.startswith(("infra" + os.sep, "depth_kernels" + os.sep, "experiments" + os.sep))}
 
 
 def parse(path: str) -> ast.Module:
@@ -131,7 +131,7 @@ def test_no_library_file_is_over_400_lines():
 def test_no_function_outside_the_kernels_is_over_60_lines():
     """From the `def` (or its first decorator) to its last line, nested functions included."""
     long = []
-    for path in library_files(skip=("tests" + os.sep, "kernels" + os.sep)):
+    for path in library_files(skip=("tests" + os.sep, "depth_kernels" + os.sep)):
         for node in ast.walk(parse(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list])
@@ -143,26 +143,26 @@ def test_no_function_outside_the_kernels_is_over_60_lines():
 # The top level is the method and the commands a user runs; everything else lives in a package.
 TOP_LEVEL = {"router.py", "model.py", "train.py", "finetune.py", "eval.py", "sample.py", "data.py"}
 COMMANDS = {"train", "finetune", "eval", "sample", "data"}
-FAST_PATH = {"kernels/__init__.py", "kernels/launch.py", "kernels/tiles.py", "kernels/depth_route.py",
-             "kernels/group_read.py", "kernels/receiver_read.py", "kernels/groups.py", "kernels/grouped_state.py"}
+FAST_PATH = {"depth_kernels/" + name for name in ("__init__.py", "launch.py", "tiles.py", "depth_route.py",
+                                                  "group_read.py", "receiver_read.py", "groups.py", "grouped_state.py")}
 
 
 def test_the_top_level_holds_the_method_and_the_commands_only():
     assert {p for p in python_files() if os.sep not in p} == TOP_LEVEL
-    assert {p for p in python_files() if p.startswith("kernels" + os.sep) and p.count(os.sep) == 1} == FAST_PATH
+    assert {p for p in python_files() if p.startswith("depth_kernels" + os.sep) and p.count(os.sep) == 1} == FAST_PATH
 
 
 def test_no_package_imports_a_command_and_the_fast_path_imports_no_plumbing():
-    """infra/ and kernels/ never import a top-level command (a package imports nothing above it but the method:
-    router, model); the fast path (kernels/ without tools/) imports only itself and router. (experiments/ and
+    """infra/ and depth_kernels/ never import a top-level command (a package imports nothing above it but the method:
+    router, model); the fast path (depth_kernels/ without tools/) imports only itself and router. (experiments/ and
     scripts/ run the commands: they may.)"""
     upward, plumbing = [], []
     for path in python_files():
-        if not path.startswith(("infra" + os.sep, "kernels" + os.sep)):
+        if not path.startswith(("infra" + os.sep, "depth_kernels" + os.sep)):
             continue
         for node in ast.walk(parse(path)):
             names = set(imported_modules(node))
             upward += [f"{path}: {n}" for n in names & COMMANDS]
             if path in FAST_PATH:
-                plumbing += [f"{path}: {n}" for n in names if not n.startswith("kernels") and n != "router"]
+                plumbing += [f"{path}: {n}" for n in names if not n.startswith("depth_kernels") and n != "router"]
     assert not upward and not plumbing

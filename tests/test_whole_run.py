@@ -1,4 +1,4 @@
-"""Whole-run properties of the kernel path (kernels/grouped_state.py), not one call's: trained for several
+"""Whole-run properties of the kernel path (depth_kernels/grouped_state.py), not one call's: trained for several
 optimizer steps with every method and option, nothing of a step outlives it (live tensor bytes are flat from
 step to step, and no gradient bank or group of an earlier step is alive), also when a step is skipped or a
 forward is abandoned before its backward. A reference cycle through an autograd node is never collected: one
@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from infra import distributed  # noqa: E402
-from kernels import grouped_state  # noqa: E402
-from kernels.groups import GradBank, Group  # noqa: E402
+from depth_kernels import grouped_state  # noqa: E402
+from depth_kernels.groups import GradBank, Group  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

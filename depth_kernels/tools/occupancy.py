@@ -5,7 +5,7 @@ A kernel streams at bandwidth only if the SMs keep enough loads in flight (Littl
 x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB per SM). Per kernel launch:
 
 - programs per SM: the kernel module's PROGRAMS_PER_SM (its register budget is built for it, and
-  kernels/tools/aot.py checks the compiled registers allow it), fewer when the grid has fewer programs;
+  depth_kernels/tools/aot.py checks the compiled registers allow it), fewer when the grid has fewer programs;
 - rows in flight per program: the rows of one tile (BLOCK_M; the phase-1 kernels read one token row per
   program);
 - bytes in flight per SM: programs x rows x what a row keeps loading at once: one row of every per-row input
@@ -14,9 +14,9 @@ x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB
   inputs load while one is reduced), plus STAGES rows of the sources the address table streams (the software
   pipeline's depth), with their gradient accumulators when the loop adds into them;
 - masked lanes: a row is one tile of BLOCK_D = next_pow2(d) lanes, or a split row of BLOCK_D + BLOCK_T lanes
-  (kernels.launch.row_split), of which 1 - d / lanes do nothing.
+  (depth_kernels.launch.row_split), of which 1 - d / lanes do nothing.
 
-The bandwidth model (kernels/tools/traffic.py uses it): a kernel reaches MAX_EFFICIENCY of the peak bandwidth if
+The bandwidth model (depth_kernels/tools/traffic.py uses it): a kernel reaches MAX_EFFICIENCY of the peak bandwidth if
 its SMs keep at least LATENCY x peak / SMs bytes in flight, and proportionally less below that.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import triton
 
-from kernels import depth_route, group_read, receiver_read
-from kernels.launch import H100_SMS, Launch, SourceTable
+from depth_kernels import depth_route, group_read, receiver_read
+from depth_kernels.launch import H100_SMS, Launch, SourceTable
 
 LATENCY_S = 600e-9          # a global load's latency under load on sm_90 (HBM3), the model's one constant
 MAX_EFFICIENCY = 0.80       # the share of peak bandwidth a well-fed streaming kernel reaches

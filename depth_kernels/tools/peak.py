@@ -1,13 +1,13 @@
 """Peak memory of a training step on one GPU at the 1044M shape, per method, projected on the meta device.
 
-    python -m kernels.tools.peak                          # 1044M, 4 and 8 blocks, 4 steps of 4 x 1024 tokens
-    python -m kernels.tools.peak --steps 6 --json out.json
+    python -m depth_kernels.tools.peak                          # 1044M, 4 and 8 blocks, 4 steps of 4 x 1024 tokens
+    python -m depth_kernels.tools.peak --steps 6 --json out.json
 
 It runs train.py's step (one micro-batch of 4 x 1024 tokens: the paper's 32 sequences on 8 GPUs) a few times
 on the meta device, where tensors have shapes and dtypes but no data: `model.Model` and AdamW are built
 there, then forward under autocast (the loss as train.py's), backward, clip_grad_norm_, optimizer.step() and
 zero_grad(set_to_none=True). Routing takes the kernel path (kernel="triton", as on a GPU) with every Triton
-launch skipped (kernels.launch.skipped_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
+launch skipped (depth_kernels.launch.skipped_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
 outputs: each distinct storage counts its bytes once (views and in-place results share their input's
 storage), from the op that made it until it dies (a weak reference to the storage says when). So parameters,
 gradients (autograd allocates them through the dispatcher, on the calling thread for meta tensors), AdamW's
@@ -51,8 +51,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from kernels.launch import skipped_launches
-from kernels.tools.traffic import SHAPE_1044M, TOKENS_1044M
+from depth_kernels.launch import skipped_launches
+from depth_kernels.tools.traffic import SHAPE_1044M, TOKENS_1044M
 from model import Model, ModelConfig, RMSNorm
 from router import METHODS
 

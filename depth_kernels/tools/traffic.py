@@ -1,12 +1,13 @@
 """The memory traffic depth routing adds to one training step, per method, and the speed it predicts.
 
-    python -m kernels.tools.traffic                      # the 1044M shape: 36 layers, d = 1280, 8 blocks, 4 x 1024 tokens
-    python -m kernels.tools.traffic --json out.json      # also save the figures
+    python -m depth_kernels.tools.traffic                  # the 1044M shape: 36 layers, d = 1280, 8 blocks,
+                                                           # 4 x 1024 tokens
+    python -m depth_kernels.tools.traffic --json out.json  # also save the figures
 
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
 real `model.Model` on the meta device (shapes and dtypes, no data, no GPU), where
-- every kernel launch is seen by `kernels.launch.observe_launches` (the tensors it reads, with how many
+- every kernel launch is seen by `depth_kernels.launch.observe_launches` (the tensors it reads, with how many
   times, and writes) and skipped;
 - every torch op is seen by a TorchDispatchMode: it reads its tensor arguments and writes its outputs (views
   and allocations move nothing; a broadcast tensor counts its distinct elements once);
@@ -31,9 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.launch import Launch, SourceTable, observe_launches
-from kernels.tools.bound import lower_bound
-from kernels.tools.occupancy import Occupancy, occupancy
+from depth_kernels.launch import Launch, SourceTable, observe_launches
+from depth_kernels.tools.bound import lower_bound
+from depth_kernels.tools.occupancy import Occupancy, occupancy
 from model import Model, ModelConfig, RMSNorm
 from infra.runlog import flops_per_token
 
@@ -222,10 +223,10 @@ def occupancy_ratio(result: dict, flops_per_token: float, device: str) -> float:
 REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (the precision rule: infra/distributed.py)",
                 "bf16": "bf16 parameters, stream and outputs (the whole model cast to bf16, as the authors' code)"}
 GOALS = {"delta_block": (1.3e6, 0.97), "delta": (7.5e6, 0.85)}     # MB per token above the baseline, tok/s ratio
-ABOVE_BOUND = ("the grouped schedule's own bytes (kernels/tools/bound.py): phase 1's state written and read by each "
-               "receiver (and read again backward), go and D written back for phase 1's backward, each later group "
-               "reading the committed sources and reading and writing their gradient accumulators (in the sources' "
-               "dtype) again, phase 1's backward passes over R_BLOCK receivers at a time, the receivers' own "
+ABOVE_BOUND = ("the grouped schedule's own bytes (depth_kernels/tools/bound.py): phase 1's state written and read by "
+               "each receiver (and read again backward), go and D written back for phase 1's backward, each later "
+               "group reading the committed sources and reading and writing their gradient accumulators (in the "
+               "sources' dtype) again, phase 1's backward passes over R_BLOCK receivers at a time, the receivers' own "
                "sources read twice backward, autograd's sums into the stream gradient")
 
 
@@ -235,11 +236,11 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
              f"{tokens[0]} x {tokens[1]} tokens, {REGIME_NAMES[regime]}",
              f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (runlog.flops_per_token) at MFU {MFU:.0%}; "
              f"routing not overlapped; flat: every byte at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth; occupancy: "
-             f"each kernel at what its bytes in flight allow (kernels/tools/occupancy.py), torch ops at "
+             f"each kernel at what its bytes in flight allow (depth_kernels/tools/occupancy.py), torch ops at "
              f"{BANDWIDTH_EFFICIENCY:.0%}; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
              "MB per token above the baseline: today's, the lower bound and the floor of an in-order schedule "
-             "(bound + hand-offs: kernels/tools/bound.py), the goal; predicted tokens/s vs the baseline",
+             "(bound + hand-offs: depth_kernels/tools/bound.py), the goal; predicted tokens/s vs the baseline",
              f"{'method':<14}{'today':>8}{'forward':>9}{'backward':>9}{'bound':>8}{'floor':>8}{'goal':>7}"
              f"{'H100 flat':>11}" + "".join(f"{k + ' occupancy':>16}" for k in DEVICES) + f"{'goal':>7}"]
     for label, r in results.items():

@@ -3,7 +3,7 @@ and their arithmetic; a source's row read through an address table, the folded q
 online-softmax step, a table's sources folded into it, a source's gradient, an in-place gradient accumulator;
 and the receivers' mix, softmax start state and sum of a group's partial-block slots. Everything in fp32.
 
-A row of d values is a split row (kernels.launch.row_split): a tuple of tiles, the head (columns [0, BLOCK_D))
+A row of d values is a split row (depth_kernels.launch.row_split): a tuple of tiles, the head (columns [0, BLOCK_D))
 and, where d is not a power of two, a tail over the row's last BLOCK_T columns (those the head holds masked off
 in it), so that a row of 1280 lanes is 1024 + 512 lanes, not one tile of 2048 (Triton's tiles are powers of
 two). K rows of it are (K, width) tiles; a (d,) vector (a query, a norm weight, a partial sum of du) is one row,
@@ -234,7 +234,7 @@ def accumulate_grad(ptr, ds, offs, masks, accumulate):
 
 # -------------------------------------------------------------------------------------------- receivers
 
-# The NULL flag of the receiver kernels (kernels/receiver_read.py): no null source, a zero one (value 0, logit 0),
+# The NULL flag of the receiver kernels (depth_kernels/receiver_read.py): no null source, a zero one (value 0, logit 0),
 # or the receiver's learned vector
 NULL_NONE, NULL_ZERO, NULL_LEARNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 

@@ -21,7 +21,7 @@ then reads each committed source once, sums ds_i over the group's receivers and 
 gradient accumulator per source, and gives each receiver the committed part of its du.
 
 This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
-loads; pipelined); phase 2, fused with the pre-norm, is kernels/receiver_read.py:
+loads; pipelined); phase 2, fused with the pre-norm, is depth_kernels/receiver_read.py:
 - `_group_fwd`: R receivers at once, one token row per program: (r_C, lse_C) per receiver;
 - `_group_bwd`: R receivers at once (8 to d = 2048), their rows of a token taken in groups: the committed
   sources' gradients summed over the receivers, and their du.
@@ -34,10 +34,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, wave
-from kernels.tiles import (accumulate_grad, logit, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot, row_load,
-                           row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros, softmax_step,
-                           table_source)
+from depth_kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, wave
+from depth_kernels.tiles import (accumulate_grad, logit, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
+                                 row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
+                                 softmax_step, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -56,7 +56,7 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
                BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Phase 1 for receivers recv = r0 + [0, R_BLOCK) (those < n_recv) at token row program_id(0): r_C at
     state_ptr + recv slab, lse_C at lse_c_ptr + recv M. q_ptr, g_ptr: the group's (n_recv, d) queries and
-    norm weights. A row is split (kernels/tiles.py): BLOCK_D lanes of head, BLOCK_T of tail."""
+    norm weights. A row is split (depth_kernels/tiles.py): BLOCK_D lanes of head, BLOCK_T of tail."""
     row = tl.program_id(0)
     recv = r0 + tl.arange(0, R_BLOCK)
     recv_ok = recv < n_recv
@@ -170,7 +170,7 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (kernels/tools/aot.py checks registers against it): phase 1 holds every
+# Programs per SM each kernel is built for (depth_kernels/tools/aot.py checks registers against it): phase 1 holds every
 # receiver's running sum of a row (forward) or its folded query and du (backward), so one program per SM, whose
 # software pipeline keeps the next rows of sources in flight.
 PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
@@ -184,10 +184,10 @@ def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
     (8, 2048) fp32 each, half the registers of an SM, and with go held as well they would spill. More receivers
     than R_BLOCK read the sources again (forward) or in further launches. With one program per SM, the source
     loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in flight
-    (kernels/tools/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
-    widths (checked by kernels/tools/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
+    (depth_kernels/tools/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
+    widths (checked by depth_kernels/tools/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
     4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces). element_size: the
-    bytes of the table's sources. A row is split (kernels.launch.row_split) with a tail of at least two
+    bytes of the table's sources. A row is split (depth_kernels.launch.row_split) with a tail of at least two
     lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes; the
     forward runs such rows on 8 warps (on 16 its tail would need 1024 lanes, no narrower than one tile)."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above

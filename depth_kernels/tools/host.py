@@ -1,10 +1,10 @@
 """Host time of the model's routing path per training step: the Python and autograd work a GPU would wait on.
 
-    python -m kernels.tools.host                    # 36 layers (the 1044M depth), 8 blocks, every method
-    python -m kernels.tools.host --json out.json
+    python -m depth_kernels.tools.host                    # 36 layers (the 1044M depth), 8 blocks, every method
+    python -m depth_kernels.tools.host --json out.json
 
 A training step (forward, loss, backward) of the real model at the 1044M depth, with tiny tensors (d = 64, 1 x 16
-tokens: the tensor work is negligible) and every Triton launch skipped (kernels.launch.skipped_launches), runs on
+tokens: the tensor work is negligible) and every Triton launch skipped (depth_kernels.launch.skipped_launches), runs on
 the CPU; its time is host time, counted as the process's CPU time (one thread), so that time a shared machine gives
 to other work is not counted. Routing's host time is a method's step minus the baseline's (the baseline pays for
 its own sublayers, norms and autograd). Median of `repeats` steps after warm-up. The C library's allocator is
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.launch import skipped_launches
+from depth_kernels.launch import skipped_launches
 from model import Model, ModelConfig
 
 SHAPE = dict(vocab_size=64, d_model=64, n_layers=36, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=8)

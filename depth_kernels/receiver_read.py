@@ -1,4 +1,4 @@
-"""Phase 2 of grouped depth routing (kernels/group_read.py derives it): one receiver finishes its read and applies
+"""Phase 2 of grouped depth routing (depth_kernels/group_read.py derives it): one receiver finishes its read and applies
 its sublayer's pre-norm in the same kernel.
 
 - `_receiver_fwd`: the online softmax started from phase 1's state (lse_C, r_C), over the receiver's own
@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, slab_of,
-                            slot_view, wave)
-from kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
-                           null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot, row_load,
-                           row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store, row_sub,
-                           row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
+from depth_kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, slab_of,
+                                  slot_view, wave)
+from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
+                                 null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot,
+                                 row_load, row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store,
+                                 row_sub, row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -39,7 +39,7 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Row `slot` of the group's (R, d) q_ptr, g_ptr, w_ptr and (R,) gate_ptr is
     its query, key-norm weight, pre-norm weight and gate. With STREAM, h_ptr is h~_l: h = h~_l + v_l (v_ptr, its
-    newest own source) is made here, written to hout_ptr and read on. Rows are split rows (kernels/tiles.py)."""
+    newest own source) is made here, written to hout_ptr and read on. Rows are split rows (depth_kernels/tiles.py)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -192,16 +192,16 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (kernels/tools/aot.py checks registers against it): the forward keeps two;
-# the backward holds a row's r, x, dy, dr and h, so one, whose software pipeline keeps the next rows in flight.
+# Programs per SM each kernel is built for (depth_kernels/tools/aot.py checks registers against it): the forward keeps
+# two; the backward holds a row's r, x, dy, dr and h, so one, whose software pipeline keeps the next rows in flight.
 PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def _receiver_config(M: int, d: int, backward: bool) -> dict:
-    """As kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile forward (8 at
-    d > 2048, on 16 warps) and 8 backward, which holds more tiles of a row; source loops 3 stages deep forward, 4
-    backward (2 at d > 2048: kernels/tools/aot.py checks nothing spills); rows split where d is not a power of two."""
+    """As depth_kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile forward
+    (8 at d > 2048, on 16 warps) and 8 backward, which holds more tiles of a row; source loops 3 stages deep forward,
+    4 backward (2 at d > 2048: tools/aot.py checks nothing spills); rows split where d is not a power of two."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
     if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)
@@ -218,7 +218,7 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
 def _row_stages(d: int) -> int:
     """How deep a receiver backward's row loop is pipelined where nothing loops inside it: a row of its inputs is
     a few KB (3 to 20 at d = 768 to 1280), and 16 KB in flight per SM wants 4 rows at d > 1024, 6 below (8 would
-    read per-row scalars in more 32-bit pieces than kernels/tools/aot.py allows)."""
+    read per-row scalars in more 32-bit pieces than depth_kernels/tools/aot.py allows)."""
     return 4 if d > 1024 else 6
 
 
@@ -315,7 +315,7 @@ class Read:
 @dataclass(slots=True)
 class ReadGrads:
     """Where a receiver's backward writes: its own sources' gradient accumulators (acc_a, acc_b, off_a, off_b:
-    kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
+    depth_kernels/groups.py's GradBank.pointers), written or added to; go and D slots for phase 1's backward
     (None without a state); slot dbase_slot of dbase (slots shaped like h) for -dL/d(partial); dsum = (buffer,
     lo, hi): slots lo..hi-1 of buffer added to dh (the group's other partials, when h is their base); du and dw
     (R, programs, d) and dgate (R, programs): the group's buffers of per-program partial sums (backward_wave),

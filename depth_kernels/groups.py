@@ -1,4 +1,4 @@
-"""How the model's path groups its receivers, and what a group's receivers share (kernels/grouped_state.py uses
+"""How the model's path groups its receivers, and what a group's receivers share (depth_kernels/grouped_state.py uses
 them): the plan of groups (`commits_before`, `plan_groups`, `fine_group_size` for fine-grained methods), the
 gradient bank (one accumulator per committed source, which every kernel adds into in place) and a `Group`'s
 tables and buffers (phase 1's state and log-sum-exps, the hand-off between its receivers' backwards and its own).
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kernels.group_read import receivers_per_pass
-from kernels.launch import SourceTable, slots
-from kernels.receiver_read import ReadGrads, backward_wave
+from depth_kernels.group_read import receivers_per_pass
+from depth_kernels.launch import SourceTable, slots
+from depth_kernels.receiver_read import ReadGrads, backward_wave
 from router import Policy, Router
 
 

@@ -5,11 +5,11 @@
   every source contiguous and 16-byte aligned (copying the rare view that is not) and uploads the addresses in
   one copy; the kernels say so with tl.multiple_of, which turns their source loads into 128-bit loads. Host
   work is O(N) per table (its dtype order), and a forward read's table serves its backward.
-- Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and
-  writes: built only when someone observes, from the caller's `io` function) to observers first:
-  kernels/tools/traffic.py counts bytes with it, kernels/tools/aot.py compiles exactly the specialisations the
-  model launches, and kernels/tools/bench.py times the host path without launching; `skipped_launches` skips
-  them unobserved (kernels/tools/host.py). It runs the kernel on the tensors' device.
+- Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and writes:
+  built only when someone observes, from the caller's `io` function) to observers first: depth_kernels/tools/traffic.py
+  counts bytes with it, depth_kernels/tools/aot.py compiles exactly the specialisations the model launches, and
+  depth_kernels/tools/bench.py times the host path without launching; `skipped_launches` skips them unobserved
+  (depth_kernels/tools/host.py). It runs the kernel on the tensors' device.
 - `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
   should share an SM (each kernel module says, in PROGRAMS_PER_SM, and why).
 """
@@ -64,7 +64,7 @@ def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
 @contextmanager
 def skipped_launches() -> Iterator[list[str]]:
     """Skip every launch in the block, listing the kernels' names, without describing them to observers: the
-    host work of a GPU run less its launches (kernels/tools/host.py measures it so)."""
+    host work of a GPU run less its launches (depth_kernels/tools/host.py measures it so)."""
     names: list[str] = []
     _skipping.append(names)
     try:
@@ -179,7 +179,7 @@ class SourceTable:
 class SourceList:
     """Sources validated and aligned one at a time, as a forward pass commits them, so that each read's table
     (`table(lo, hi)`: sources[lo:hi]) costs little: the model's path builds a table per group and per receiver over
-    sources committed earlier (kernels/grouped_state.py). Each source's address is written once, as it comes, into
+    sources committed earlier (depth_kernels/grouped_state.py). Each source's address is written once, as it comes, into
     one array; a table whose sources are already in dtype order (the model's always are: the embedding, then
     sublayer outputs of one dtype) is a slice of it on the device, and what was appended since the last upload
     goes up in one copy."""

@@ -1,18 +1,18 @@
 """Compile the depth-routing kernels for an H100/H200 (sm_90) on any machine, and read what the compiler made.
 
-    python -m kernels.tools.aot                   # every specialisation the model launches at d = 768 ... 4096
-    python -m kernels.tools.aot --json out.json   # also save the table
-    python -m kernels.tools.aot --jobs 1          # in one process (default: one per CPU)
+    python -m depth_kernels.tools.aot                   # every specialisation the model launches at d = 768 ... 4096
+    python -m depth_kernels.tools.aot --json out.json   # also save the table
+    python -m depth_kernels.tools.aot --jobs 1          # in one process (default: one per CPU)
 
-The pinned Triton wheel compiles for sm_90 without a GPU and ships NVIDIA's assembler (ptxas). The
-specialisations compiled are exactly those a GPU run launches: the model runs one training step on the meta
-device (kernels.tools.traffic.dry_step) for every method and routing option (and kernels.depth_route.depth_route,
-the public read, runs forward and backward), and each launch's arguments are bound
-as Triton's launcher binds them on a GPU (integers equal to 1 or divisible by 16, 16-byte aligned pointers:
-the launchers guarantee the alignment). For each specialisation it reports registers per thread and spill
-bytes (`ptxas -v`), shared memory, and the width of every global load and store in the PTX: a source read at
-bandwidth is moved in 128-bit transfers (`ld.global.v4.b32`, `st.global.v4.b32`, or a 16-byte `cp.async`
-of the software pipeline), never element by element (`ld.global.b16` is 2 bytes).
+The pinned Triton wheel compiles for sm_90 without a GPU and ships NVIDIA's assembler (ptxas). The specialisations
+compiled are exactly those a GPU run launches: the model runs one training step on the meta device
+(depth_kernels.tools.traffic.dry_step) for every method and routing option (and depth_kernels.depth_route.depth_route,
+the public read, runs forward and backward), and each launch's arguments are bound as Triton's launcher binds them on a
+GPU (integers equal to 1 or divisible by 16, 16-byte aligned pointers: the launchers guarantee the alignment). For each
+specialisation it reports registers per thread and spill bytes (`ptxas -v`), shared memory, and the width of every
+global load and store in the PTX: a source read at bandwidth is moved in 128-bit transfers (`ld.global.v4.b32`,
+`st.global.v4.b32`, or a 16-byte `cp.async` of the software pipeline), never element by element
+(`ld.global.b16` is 2 bytes).
 
 `check` holds the rules the GPU-readiness test (tests/test_gpu_ready.py) enforces.
 """
@@ -36,10 +36,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from kernels import depth_route, group_read, receiver_read
-from kernels.launch import Launch, observe_launches, register_budget
-from kernels.tools.occupancy import MAX_MASKED, MIN_IN_FLIGHT, Occupancy, occupancy
-from kernels.tools.traffic import REGIMES, ByteCounter, dry_step
+from depth_kernels import depth_route, group_read, receiver_read
+from depth_kernels.launch import Launch, observe_launches, register_budget
+from depth_kernels.tools.occupancy import MAX_MASKED, MIN_IN_FLIGHT, Occupancy, occupancy
+from depth_kernels.tools.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
 TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
@@ -63,7 +63,7 @@ class Compiled:
     spill_bytes: int
     shared_bytes: int
     accesses: dict          # {bits: count} of global loads, stores and cp.async copies in the PTX
-    occupancy: dict         # kernels/tools/occupancy.py's figures for a full grid, programs per SM by registers
+    occupancy: dict         # depth_kernels/tools/occupancy.py's figures for a full grid, programs per SM by registers
 
 
 def model_launches(d: int, tokens: tuple[int, int] = (2, 64)) -> list[Launch]:
@@ -80,7 +80,7 @@ def model_launches(d: int, tokens: tuple[int, int] = (2, 64)) -> list[Launch]:
 
 
 def api_launches(d: int, tokens: tuple[int, int] = (2, 64)) -> list[Launch]:
-    """The launches of the public kernels.depth_route.depth_route, forward and backward, over an fp32 source
+    """The launches of the public depth_kernels.depth_route.depth_route, forward and backward, over an fp32 source
     and eight bf16 ones (as under autocast) and over bf16 sources only, at width d."""
     launches = []
     with observe_launches(lambda launch: launches.append(launch) or True):
@@ -173,7 +173,7 @@ def check(c: Compiled) -> list[str]:
       source read element by element has dozens;
     - tiles move in 128-bit transfers: at most 16 transfers of 32 bits (per-row scalars: lse, D) and at least
       one of 128 bits (64-bit transfers are the address table's entries and pairs of per-row scalars). A
-      split row (kernels.launch.row_split) has two tiles of two layouts, and its per-row scalars are loaded
+      split row (depth_kernels.launch.row_split) has two tiles of two layouts, and its per-row scalars are loaded
       for each: 32 there; and its tail of 16-bit values moves in 32-bit transfers by design (two lanes per
       thread, a warp's transfer one whole 128-byte line), so a kernel with a split row and a 16-bit tensor is
       not held to a count of them."""
@@ -201,8 +201,8 @@ def check(c: Compiled) -> list[str]:
 
 # Occupancy rules a kernel cannot meet, each with its reason (printed by the command, and by the test's failure)
 MASKED_REASON = ("Triton's tiles are powers of two, so a row whose width is not is split into a head and a tail tile "
-                 "(kernels.launch.row_split), and the tail has at least two lanes per thread so that 16-bit values "
-                 "move in 32-bit transfers: on 8 warps that is 512 lanes, and at d = 768 a 512-lane head and tail "
+                 "(depth_kernels.launch.row_split), and the tail has at least two lanes per thread so that 16-bit "
+                 "values move in 32-bit transfers: on 8 warps that is 512 lanes, and at d = 768 a 512-lane head and tail "
                  "are no narrower than one 1024-lane tile, a quarter of it padding (phase 1's kernels, which need "
                  "8 warps for their receivers' rows)")
 

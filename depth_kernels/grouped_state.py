@@ -2,12 +2,12 @@
 
 The reference (router.DepthState) computes, per receiving sublayer, x = h~ + g r (additive, Eq. 2) or x = r
 (replacement) and y = RMSNorm(x), and autograd saves and sums whatever every op needs. `GroupedDepthState`
-runs the same policy with the kernels of kernels/group_read.py:
+runs the same policy with the kernels of depth_kernels/group_read.py:
 
-- receivers are grouped (kernels/groups.py's `plan_groups`): a Delta Block or AttnRes block is a group;
+- receivers are grouped (depth_kernels/groups.py's `plan_groups`): a Delta Block or AttnRes block is a group;
   fine-grained methods, which commit a source before every sublayer, take groups of `fine_group_size`
   consecutive receivers;
-- at a group's start one autograd node (`GroupRead`, kernels/group_read.py) reads the committed sources once for
+- at a group's start one autograd node (`GroupRead`, depth_kernels/group_read.py) reads the committed sources once for
   all of the group's receivers (phase 1) and keeps, per receiver, r_C (in the sources' dtype) and lse_C;
 - each receiver is one node (`ReceiverRead`) that finishes its read (phase 2) over its own sources (outputs
   committed since the group began; the partial block as h~ - base, never stored; a null source as a flag) and
@@ -32,11 +32,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernels.group_read import group_backward, group_forward
-from kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
-from kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
-from kernels.receiver_read import Inputs, Read, receiver_backward, receiver_forward
-from kernels.tiles import NULL_LEARNED, NULL_NONE, NULL_ZERO
+from depth_kernels.group_read import group_backward, group_forward
+from depth_kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
+from depth_kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
+from depth_kernels.receiver_read import Inputs, Read, receiver_backward, receiver_forward
+from depth_kernels.tiles import NULL_LEARNED, NULL_NONE, NULL_ZERO
 from router import DepthState, Router
 
 

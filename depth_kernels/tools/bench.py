@@ -1,6 +1,6 @@
 """Benchmarks of depth routing: host time, kernel bandwidth, whole-model speed and memory.
 
-    python -m kernels.tools.bench --host        # any machine: host time per routed read, the launch skipped
+    python -m depth_kernels.tools.bench --host        # any machine: host time per routed read, the launch skipped
 
 On a GPU these are phases of the GPU check (`bash scripts/gpu_check.sh`, scripts/gpu_check.py), each in its
 own process under a time cap:
@@ -9,10 +9,10 @@ own process under a time cap:
    Delta AttnRes's largest reads at 36 layers), measured with the launch skipped;
 2. bench_routing: forward and forward+backward time of the kernels and of the reference at the 1044M shape
    (d = 1280, 4 x 1024 tokens, bf16), the bytes each launch moves (counted from its arguments, as
-   kernels/tools/traffic.py does), the achieved bandwidth, and its fraction of a measured device-to-device copy and
-   of the nominal peak;
+   depth_kernels/tools/traffic.py does), the achieved bandwidth, and its fraction of a measured device-to-device copy
+   and of the nominal peak;
 3. kernel_bandwidth: every routing kernel one training step of a 1044M model launches, timed alone between
-   two CUDA events, its bytes counted as kernels/tools/traffic.py counts them: achieved bandwidth per kernel kind
+   two CUDA events, its bytes counted as depth_kernels/tools/traffic.py counts them: achieved bandwidth per kernel kind
    and its fraction of the measured copy;
 4. bench_model: training steps of configs/1044m_*.py on random tokens (bf16 autocast, fused AdamW, 4 x 1024
    tokens per step, per-sublayer torch.compile as the configs ask): tokens/s, peak memory and allocated
@@ -37,10 +37,10 @@ import triton
 
 from infra import distributed
 from infra.config import TrainConfig, load_config
-from kernels.tools import traffic
-from kernels.depth_route import depth_route, route_backward, route_forward
-from kernels.launch import Launch, observe_launches, skipped_launches, source_table
-from kernels.tools.traffic import ByteCounter
+from depth_kernels.tools import traffic
+from depth_kernels.depth_route import depth_route, route_backward, route_forward
+from depth_kernels.launch import Launch, observe_launches, skipped_launches, source_table
+from depth_kernels.tools.traffic import ByteCounter
 from model import Model, ModelConfig
 from router import depth_route as reference
 from infra.runlog import flops_per_token
@@ -67,8 +67,8 @@ def routing_inputs(n: int, device: str, tokens: tuple[int, int] = TOKENS, d: int
 
 
 def host_times(device: str = "cpu", repeats: int = 200) -> dict[int, dict[str, float]]:
-    """Median microseconds of CPU per routed read at each N in HOST_N, with every launch skipped: forward =
-    building the table + route_forward, backward = route_backward (as kernels.depth_route.DepthRoute runs them)."""
+    """Median microseconds of CPU per routed read at each N in HOST_N, with every launch skipped: forward = building the
+    table + route_forward, backward = route_backward (as depth_kernels.depth_route.DepthRoute runs them)."""
     results = {}
     with skipped_launches():
         for n in HOST_N:
@@ -102,7 +102,8 @@ def copy_bandwidth() -> float:
 
 
 def launch_bytes(fn) -> int:
-    """Bytes the kernel launches of fn() read and write, counted from their arguments (kernels/tools/traffic.py)."""
+    """Bytes the kernel launches of fn() read and write, counted from their arguments
+    (depth_kernels/tools/traffic.py)."""
     counter = ByteCounter()
 
     def count(launch: Launch) -> bool:
@@ -155,10 +156,10 @@ def bench_routing(nominal: float | None, copy: float, save: Callable[[list], Non
 
 
 class LaunchTimer:
-    """A launch observer that runs each launch itself between two CUDA events, so the time is the kernel's
-    alone, and counts its bytes exactly as kernels/tools/traffic.py's ByteCounter does. It returns True: the launch
-    is done, and kernels.launch._launch must not launch it again (an observer runs before the launch, so one
-    that returned False could not record the end of it)."""
+    """A launch observer that runs each launch itself between two CUDA events, so the time is the kernel's alone, and
+    counts its bytes exactly as depth_kernels/tools/traffic.py's ByteCounter does. It returns True: the launch is done,
+    and depth_kernels.launch._launch must not launch it again (an observer runs before the launch, so one that returned
+    False could not record the end of it)."""
 
     def __init__(self):
         self.counter = ByteCounter()
@@ -217,9 +218,9 @@ def model_config(config: str, layers: int | None = None) -> tuple[ModelConfig, T
 
 
 def traffic_predictions(layers: int | None = None) -> dict:
-    """kernels/tools/traffic.py's figures for each of KERNEL_CONFIGS as bench_model runs it (TOKENS, regime
+    """depth_kernels/tools/traffic.py's figures for each of KERNEL_CONFIGS as bench_model runs it (TOKENS, regime
     "autocast": fp32 parameters and stream, bf16 sublayer outputs): the bytes per token routing adds to the
-    baseline, and the tokens/s ratio to the baseline predicted on every device kernels.tools.traffic knows."""
+    baseline, and the tokens/s ratio to the baseline predicted on every device depth_kernels.tools.traffic knows."""
     out = {"regime": "autocast", "tokens": TOKENS, "mfu": traffic.MFU,
            "bandwidth_efficiency": traffic.BANDWIDTH_EFFICIENCY, "configs": {}}
     for config in KERNEL_CONFIGS:
@@ -320,7 +321,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if not args.host:
-        raise SystemExit("python -m kernels.tools.bench runs --host only; the GPU benchmarks are phases of "
+        raise SystemExit("python -m depth_kernels.tools.bench runs --host only; the GPU benchmarks are phases of "
                          "`bash scripts/gpu_check.sh`")
     host = host_times("cpu", args.repeats)
     for n, t in host.items():

@@ -16,10 +16,10 @@ address table by dtype and the kernels run one loop per dtype, so no loop branch
 has sources[0]'s dtype, as in the reference.
 
 Made for memory bandwidth on a GPU (tests/test_gpu_ready.py checks the compiled code for sm_90 on a CPU):
-sources come through aligned address tables (kernels/launch.py) as 128-bit loads; the loops over sources are
+sources come through aligned address tables (depth_kernels/launch.py) as 128-bit loads; the loops over sources are
 software-pipelined (tl.range(num_stages=...)), so the next source's tile is in flight while the current one is
 reduced; rows per program and warps are chosen per width (`_config`) so that nothing spills at the paper's
-widths. The jit helpers are kernels/tiles.py's, shared with the model's grouped kernels (group_read.py,
+widths. The jit helpers are depth_kernels/tiles.py's, shared with the model's grouped kernels (group_read.py,
 receiver_read.py).
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import (SourceTable, aligned, cdiv, interpreting, launch, register_budget, row_tiles,
-                            source_table)
-from kernels.tiles import (folded_query, logit, read_table, row_cols, row_colsum, row_div, row_dot, row_load,
-                           row_masks, row_offsets, row_own, row_scale, row_store, row_zeros, source_grad,
-                           table_source)
+from depth_kernels.launch import (SourceTable, aligned, cdiv, interpreting, launch, register_budget, row_tiles,
+                                  source_table)
+from depth_kernels.tiles import (folded_query, logit, read_table, row_cols, row_colsum, row_div, row_dot, row_load,
+                                 row_masks, row_offsets, row_own, row_scale, row_store, row_zeros, source_grad,
+                                 table_source)
 
 # -------------------------------------------------------------------------------------------- kernels
 
@@ -43,7 +43,7 @@ def _route_fwd(table, n_a, n_b, q_ptr, g_ptr, out_ptr, lse_ptr, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """table: n_a addresses of A_DTYPE sources, then n_b of B_DTYPE; q, g: the query and norm weight.
-    Writes r (M, d) and lse (M,). Rows are split rows (kernels/tiles.py) of BLOCK_D + BLOCK_T lanes."""
+    Writes r (M, d) and lse (M,). Rows are split rows (depth_kernels/tiles.py) of BLOCK_D + BLOCK_T lanes."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -106,16 +106,16 @@ def _check(table: SourceTable, query: Tensor, norm_weight: Tensor) -> None:
         raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
 
 
-PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what kernels/tools/aot.py checks registers against
+PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what depth_kernels/tools/aot.py checks registers against
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def _config(M: int, d: int, backward: bool = False) -> dict:
     """Tile and launch shape. A tile covers whole rows (the norm needs them), split where d is not a power of
-    two (kernels.launch.row_split). On a GPU, rows per program and warps are chosen per width so that each
+    two (depth_kernels.launch.row_split). On a GPU, rows per program and warps are chosen per width so that each
     thread holds 16 fp32 values of a tile (8 at d > 2048, where the row alone is that many), and the source
     loop keeps the next tiles in flight: two more in the forward, one in the backward, which holds more tiles
-    per source (checked: no spills at d = 768 .. 4096, kernels/tools/aot.py).
+    per source (checked: no spills at d = 768 .. 4096, depth_kernels/tools/aot.py).
     The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
     programs are faster."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
