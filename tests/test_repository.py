@@ -1,7 +1,8 @@
 """The repository's own shape: every module imports alone, imports form no circle (lazy imports included), no
-module's name is used through another module that merely imports it, no library file is over 400 lines and
-no library function over 60."""
+module's name is used through another module that merely imports it, no top-level name hides an installed package,
+no library file is over 400 lines and no library function over 60."""
 import ast
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -150,6 +151,16 @@ FAST_PATH = {"depth_kernels/" + name for name in ("__init__.py", "launch.py", "t
 def test_the_top_level_holds_the_method_and_the_commands_only():
     assert {p for p in python_files() if os.sep not in p} == TOP_LEVEL
     assert {p for p in python_files() if p.startswith("depth_kernels" + os.sep) and p.count(os.sep) == 1} == FAST_PATH
+
+
+def test_no_top_level_name_is_taken_by_an_installed_package():
+    """A command runs with the repository first on sys.path, so a top-level module or folder named as an installed
+    package hides that package from everything that imports it (transformers >= 5.25 imports the Hugging Face package
+    `kernels` at once, which a folder of that name here replaced)."""
+    ours = {p.split(os.sep)[0].removesuffix(".py") for p in python_files()}   # modules, packages, folders of scripts
+    installed = importlib.metadata.packages_distributions()                    # {import name: [distribution]}
+    assert "torch" in installed and "router" in ours
+    assert not {name: installed[name] for name in ours if name in installed}
 
 
 def test_no_package_imports_a_command_and_the_fast_path_imports_no_plumbing():
