@@ -202,9 +202,9 @@ def check(c: Compiled) -> list[str]:
 # Occupancy rules a kernel cannot meet, each with its reason (printed by the command, and by the test's failure)
 MASKED_REASON = ("Triton's tiles are powers of two, so a row whose width is not is split into a head and a tail tile "
                  "(depth_kernels.launch.row_split), and the tail has at least two lanes per thread so that 16-bit "
-                 "values move in 32-bit transfers: on 8 warps that is 512 lanes, and at d = 768 a 512-lane head and tail "
-                 "are no narrower than one 1024-lane tile, a quarter of it padding (phase 1's kernels, which need "
-                 "8 warps for their receivers' rows)")
+                 "values move in 32-bit transfers: on 8 warps that is 512 lanes, and at d = 768 a 512-lane head and "
+                 "tail are no narrower than one 1024-lane tile, a quarter of it padding (phase 1's kernels, which "
+                 "need 8 warps for their receivers' rows)")
 
 
 RECEIVER_REASON = ("one receiver streams only its own row inputs (few or no sources of its own), in as many rows per "
