@@ -35,9 +35,9 @@ import triton.language as tl
 from torch import Tensor
 
 from depth_kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, wave
-from depth_kernels.tiles import (accumulate_grad, logit, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
+from depth_kernels.tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
                                  row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
-                                 softmax_step, table_source)
+                                 table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -67,12 +67,7 @@ def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, 
     m = tl.full((R_BLOCK,), float("-inf"), tl.float32)
     l = tl.zeros((R_BLOCK,), tl.float32)
     acc = row_zeros(R_BLOCK, cols)                                         # one running sum per receiver
-    for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, masks)
-        m, l, acc = softmax_step(m, l, acc, s, logit(s, U, d, eps)[0])
-    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, masks)
-        m, l, acc = softmax_step(m, l, acc, s, logit(s, U, d, eps)[0])
+    m, l, acc = read_table(table, n_a, n_b, offs, masks, U, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
     row_store(state_ptr, row_offsets(recv[:, None].to(tl.int64) * slab + row.to(tl.int64) * d, cols), row_div(acc, l),
               row_masks(recv_ok, own))
     tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
