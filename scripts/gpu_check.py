@@ -7,20 +7,11 @@
 Every phase runs in its own process (sys.executable -m scripts.gpu_check --phase NAME, or pytest) under its
 cap: one that overruns is killed with its process group and recorded as "timed out", one that exits non-zero
 as "failed", and the check goes on. The run is bounded by --budget (470 s): a phase gets at most what is
-left, none starts once it is spent. The multi-GPU phases come after it, outside the budget.
-
-    phase              cap    what
-    environment         30 s  GPU name and count, torch, Triton, CUDA and Python versions, the commit
-    traffic             45 s  depth_kernels.tools.traffic.measure() on CPU: the bytes per token routing adds to each
-                              1044M config and the tokens/s ratio it predicts on H100 and H200 (regime "autocast")
-    tests              150 s  tests/test_kernels.py, test_memory.py, test_whole_run.py on the real compiler
-    routing             60 s  depth_kernels.tools.bench.bench_routing: routing time, bandwidth against a measured copy
-    kernel_bandwidth    90 s  depth_kernels.tools.bench.kernel_bandwidth: each kernel of one 1044M training step, alone
-    host                30 s  CPU time per routed read before its launch, and per 1044M-depth step (tools.host)
-    model_<config>     100 s  depth_kernels.tools.bench.bench_model for 1044m_baseline, _delta_block, _delta: tokens/s,
-                              peak and allocated memory at step 5 and step 20
-    multi_gpu_<mode>   300 s  train.py configs/1044m_delta_block.py under torchrun, ddp and fsdp, on random
-                              uint32 tokens (--multi-gpu, 2+ devices): its log lines (tokens/s, peak memory)
+left, none starts once it is spent. The phases, their order, caps and what each records are PHASE_TABLE below
+(`python -m scripts.gpu_check --list` prints it); the caps sum to the budget. The order puts first what a
+run cut short must not lose: the 1044M training phases, then every CUDA test, then per-kernel bandwidth, then
+what a CPU or a later run can give again (the traffic predictions, host time, the routing microbenchmark). The
+multi-GPU phases come after the budget, outside it.
 
 Without a CUDA device (or with --dry-run) the GPU phases are "skipped" and the host time is the CPU's. The
 JSON (default results/gpu/<GPU name>.json) is rewritten atomically before and after every phase, so a crash
@@ -39,6 +30,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,12 +40,31 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_CONFIGS = ("1044m_baseline", "1044m_delta_block", "1044m_delta")    # as depth_kernels/tools/bench.py
-PHASES = {"environment": 30, "traffic": 45, "tests": 150, "routing": 60, "kernel_bandwidth": 90, "host": 30,
-          **{f"model_{c}": 100 for c in MODEL_CONFIGS}}                      # name -> cap (s)
-MULTI_GPU = {"multi_gpu_ddp": 300, "multi_gpu_fsdp": 300}
-CPU_PHASES = ("environment", "traffic", "host")
-BUDGET_S = 470
 CUDA_TESTS = ("tests/test_kernels.py", "tests/test_memory.py", "tests/test_whole_run.py")
+# The one phase table: (name, cap in seconds, what it records), in the order the phases run. The model phases'
+# 55 s: a cold start, the sublayers' compile and 20 + 3 steps took 23-27 s a config on an H200; the tests' 165 s:
+# the three files took 142 s there on 4 processes; kernel_bandwidth's one step per config, 10 s.
+PHASE_TABLE = (
+    ("environment", 15, "GPU name and count, torch, Triton, CUDA and Python versions, the commit"),
+    *((f"model_{c}", 55, f"depth_kernels.tools.bench.bench_model('{c}'): tokens/s, peak and allocated memory at "
+       "steps 5 and 20; then 3 steps under torch.profiler: GPU ms per step (the device's kernel time) beside the "
+       "wall ms per step, and the fraction of the step the GPU waits") for c in MODEL_CONFIGS),
+    ("tests", 165, f"pytest {' '.join(CUDA_TESTS)} on the real compiler: every test (no stop at a failure), each "
+     "failure's name recorded as it happens"),
+    ("kernel_bandwidth", 45, "depth_kernels.tools.bench.kernel_bandwidth: each routing kernel of one 1044M training "
+     "step, its device time from the profiler (the kernel alone), bytes and bandwidth against a measured copy"),
+    ("traffic", 30, "depth_kernels.tools.traffic.measure() on CPU: the bytes per token routing adds to each 1044M "
+     "config and the tokens/s ratio it predicts on H100 and H200 (regime \"autocast\")"),
+    ("host", 20, "CPU time per routed read before its launch, and per 1044M-depth step (tools.host)"),
+    ("routing", 30, "depth_kernels.tools.bench.bench_routing: routing time, bandwidth against a measured copy"),
+)
+PHASES = {name: cap for name, cap, _ in PHASE_TABLE}                    # name -> cap (s)
+MULTI_GPU = {"multi_gpu_ddp": 300, "multi_gpu_fsdp": 300}
+MULTI_GPU_WHAT = "train.py configs/1044m_delta_block.py under torchrun (--multi-gpu, 2+ devices): its log lines"
+CPU_PHASES = ("environment", "traffic", "host")
+BUDGET_S = 470                 # under 8 minutes with the phases' start-up (each cap includes its own)
+TEST_WORKERS = 4               # pytest-xdist processes for the tests phase, tests dealt one at a time
+FAILURE = re.compile(r"(\S+\.py::\S+) (?:FAILED|ERROR)|(?:FAILED|ERROR) (\S+\.py::\S+)")
 MULTI_GPU_CONFIG = "configs/1044m_delta_block.py"
 MICRO_BATCH = 4                # sequences of 1024 tokens per GPU and step, as depth_kernels.tools.bench.TOKENS
 ENV_KEYS = ("gpu", "device_count", "cuda_available", "torch", "triton", "cuda", "python", "executable",
@@ -83,10 +94,11 @@ def read_json(path: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ the phases
 
-def run_group(cmd: list[str], timeout: float, prefix: str, started=lambda pid: None) -> tuple[int | None, str]:
-    """Run cmd in a process group of its own, echoing its output with `prefix`; kill the whole group (compile
-    workers, torchrun's ranks) when it exits, at `timeout` seconds, or on an interrupt.
-    -> (return code, None if it was killed at the timeout; the tail of its output)."""
+def run_group(cmd: list[str], timeout: float, prefix: str, started=lambda pid: None,
+              on_line=lambda line: None) -> tuple[int | None, str]:
+    """Run cmd in a process group of its own, echoing its output with `prefix` (and handing each line to
+    on_line); kill the whole group (compile workers, torchrun's ranks) when it exits, at `timeout` seconds, or
+    on an interrupt. -> (return code, None if it was killed at the timeout; the tail of its output)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)
@@ -96,6 +108,7 @@ def run_group(cmd: list[str], timeout: float, prefix: str, started=lambda pid: N
         for line in proc.stdout:
             print(f"[{prefix}] {line}", end="", flush=True)
             tail.append(line)
+            on_line(line)
     reader = threading.Thread(target=echo, daemon=True)
     reader.start()
     started(proc.pid)
@@ -114,8 +127,9 @@ def run_group(cmd: list[str], timeout: float, prefix: str, started=lambda pid: N
 def phase_command(name: str, args: argparse.Namespace, result: str, host_device: str) -> list[str]:
     if name in args.fail_phase:
         return [sys.executable, "-c", f"raise RuntimeError('phase {name} failed on purpose (--fail-phase)')"]
-    if name == "tests":
-        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS]
+    if name == "tests":     # -v: each test's outcome as it ends, so a run cut short still names its failures
+        return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", str(TEST_WORKERS),
+                "--dist", "load", *CUDA_TESTS]
     return [sys.executable, "-m", "scripts.gpu_check", "--phase", name, "--result", result, "--work", args.work,
             f"--steps={args.steps}", f"--mark={args.mark}", f"--repeats={args.repeats}",
             f"--multi-steps={args.multi_steps}", f"--host-device={host_device}",
@@ -128,18 +142,35 @@ def run_phase(name: str, cap: float, args: argparse.Namespace, record: dict, sav
     host_device = "cuda" if record.get("cuda_available") and not args.dry_run else "cpu"
     start = time.monotonic()
 
+    failures: list[str] = []
+
     def running(pid: int) -> None:
         record["phases"][name] = {"status": "running", "pid": pid, "cap_s": cap}
         save()
-    rc, tail = run_group(phase_command(name, args, result, host_device), cap, name, running)
+
+    def on_line(line: str) -> None:       # the tests' failures, saved as they come
+        found = failed_test(line) if name == "tests" else None
+        if found and found not in failures:
+            failures.append(found)
+            record["phases"][name]["failures"] = list(failures)
+            save()
+    rc, tail = run_group(phase_command(name, args, result, host_device), cap, name, running, on_line)
     entry = {"status": "ok" if rc == 0 else "timed out" if rc is None else "failed",
              "seconds": round(time.monotonic() - start, 1), "cap_s": cap}
     lines = tail.strip().splitlines()
     if rc not in (0, None):
         entry["error"] = lines[-1] if lines else f"exit status {rc}"
     if name == "tests":
-        entry |= {"files": CUDA_TESTS, "returncode": rc, "summary": lines[-1] if lines else ""}
+        entry |= {"files": CUDA_TESTS, "returncode": rc, "summary": lines[-1] if lines else "",
+                  "failures": failures}
     return entry | read_json(result) | {"output_tail": tail}
+
+
+def failed_test(line: str) -> str | None:
+    """The test a pytest output line reports as failed or erroring (-v's per-test line, with or without
+    xdist's worker prefix, or the short summary's), else None."""
+    match = FAILURE.search(line)
+    return match and (match.group(1) or match.group(2))
 
 
 def skip_reason(name: str, args: argparse.Namespace, record: dict, left: float) -> str | None:
@@ -219,7 +250,9 @@ def checks(record: dict) -> list[dict]:
                     "detail": detail})
     tests = phases.get("tests", {})
     ran = tests.get("status") in ("ok", "failed", "timed out")
-    add("CUDA tests pass", tests["status"] == "ok" if ran else None, tests.get("summary") or tests.get("status", ""))
+    failures = tests.get("failures") or []
+    add("CUDA tests pass", tests["status"] == "ok" if ran else None, (tests.get("summary") or tests.get("status", ""))
+        + (f"; failed: {', '.join(failures)}" if failures else ""))
     traffic = phases.get("traffic", {}).get("configs", {})
     for config, (speed_goal, memory_goal) in GOALS.items():
         ratios = traffic.get(config, {}).get("predicted_ratio", {})
@@ -345,10 +378,19 @@ def phase_cap(text: str) -> tuple[str, float]:
     return name, float(seconds)
 
 
+def phase_list() -> str:
+    """PHASE_TABLE and the multi-GPU phases as text: name, cap, what."""
+    rows = [*PHASE_TABLE, *((name, cap, MULTI_GPU_WHAT) for name, cap in MULTI_GPU.items())]
+    width = max(len(name) for name, _, _ in rows)
+    return "\n".join(f"{name:<{width}} {cap:4d} s  {what}" for name, cap, what in rows) + (
+        f"\nbudget {BUDGET_S} s for all but the multi-GPU phases (caps sum to {sum(PHASES.values())} s)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     names = (*PHASES, *MULTI_GPU)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="the JSON file (default: results/gpu/<GPU name>.json)")
+    p.add_argument("--list", action="store_true", help="print the phases, their caps and what each records")
     p.add_argument("--dry-run", action="store_true", help="skip the phases that need a GPU")
     p.add_argument("--multi-gpu", action="store_true", help="also train.py under torchrun, ddp and fsdp")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all single-GPU phases")
@@ -374,6 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list:
+        print(phase_list())
+        return 0
     if args.phase:
         run_worker(args)          # imports torch: only phase processes do
         return 0

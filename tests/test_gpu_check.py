@@ -1,6 +1,7 @@
-"""The GPU check (scripts/gpu_check.py) without a GPU: the dry run records every phase, rewrites its JSON after
-each one, keeps what ran when it is killed, records a failing phase and one over its cap and goes on; the
-PASS/FAIL lines; the multi-GPU phase's data and train.py command."""
+"""The GPU check (scripts/gpu_check.py) without a GPU: the phases' order and caps against the budget; the dry
+run records every phase, rewrites its JSON after each one, keeps what ran when it is killed, records a failing
+phase and one over its cap and goes on; the tests phase names each failure as it happens; the profiler figures
+the model and kernel phases record; the PASS/FAIL lines; the multi-GPU phase's data and train.py command."""
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from scripts import gpu_check
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = [*gpu_check.PHASES, *gpu_check.MULTI_GPU]
 CPU = ("environment", "traffic", "host")
+UP_TO_TRAFFIC = ORDER[:ORDER.index("traffic") + 1]     # what a dry run has recorded when traffic starts
 
 
 def command(out, *extra) -> list[str]:
@@ -41,6 +43,73 @@ def wait_for(path, condition, proc, timeout=90):
     pytest.fail(f"the JSON never reached the state waited for (exit status {proc.poll()})")
 
 
+def test_phases_run_what_a_cut_short_run_must_keep_first_within_the_budget():
+    """The 1044M model phases right after the environment, then the CUDA tests, then per-kernel bandwidth; the
+    phases' caps sum to at most the budget, and the budget is under 8 minutes; one table says it all."""
+    assert ORDER[:6] == ["environment", "model_1044m_baseline", "model_1044m_delta_block", "model_1044m_delta",
+                         "tests", "kernel_bandwidth"]
+    assert set(ORDER[6:]) == {"traffic", "host", "routing", "multi_gpu_ddp", "multi_gpu_fsdp"}
+    assert sum(gpu_check.PHASES.values()) <= gpu_check.BUDGET_S < 8 * 60
+    assert all(cap > 0 for cap in gpu_check.PHASES.values())
+    assert [row[0] for row in gpu_check.PHASE_TABLE] == list(gpu_check.PHASES)
+    listed = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--list"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    assert [line.split()[:2] for line in listed.splitlines()[:len(ORDER)]] == [
+        [name, str(cap)] for name, cap in {**gpu_check.PHASES, **gpu_check.MULTI_GPU}.items()]
+    script = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    assert "PHASE_TABLE" in script and not any(f"{name} " in script for name in ("traffic", "kernel_bandwidth"))
+
+
+@pytest.mark.parametrize("line, name", [
+    ("[gw1] [ 12%] FAILED tests/test_kernels.py::test_kernel_matches_reference[1-64-fp32] \n",
+     "tests/test_kernels.py::test_kernel_matches_reference[1-64-fp32]"),
+    ("tests/test_memory.py::test_x[a-b] FAILED                     [ 50%]\n", "tests/test_memory.py::test_x[a-b]"),
+    ("FAILED tests/test_kernels.py::test_dispatch - AssertionError: x\n", "tests/test_kernels.py::test_dispatch"),
+    ("ERROR tests/test_whole_run.py::test_y - RuntimeError\n", "tests/test_whole_run.py::test_y"),
+    ("[gw0] [ 10%] PASSED tests/test_kernels.py::test_dispatch \n", None),
+    ("tests/test_kernels.py::test_dispatch_FAILED_name PASSED\n", None)])
+def test_a_failed_tests_name_is_read_from_its_line(line, name):
+    assert gpu_check.failed_test(line) == name
+
+
+def test_the_tests_phase_runs_every_test_and_names_each_failure(tmp_path, monkeypatch):
+    """Run through the phase's own command (pytest on TEST_WORKERS processes), on a file of 2 failing tests and
+    3 passing ones: it does not stop at the first failure, and both failures are in the record, which was
+    saved with them while the phase ran."""
+    tests = tmp_path / "test_two_fail.py"
+    tests.write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(5))\n"
+                     "def test_i(i):\n    assert i % 2 == 0\n")
+    monkeypatch.setattr(gpu_check, "CUDA_TESTS", (str(tests),))
+    args = gpu_check.parse_args(["--dry-run"])
+    args.work, saved = str(tmp_path), []
+    record = {"phases": {}}
+    entry = gpu_check.run_phase("tests", 120, args, record, lambda: saved.append(json.loads(json.dumps(record))))
+    assert entry["status"] == "failed" and entry["returncode"] == 1, entry["output_tail"][-2000:]
+    # pytest names a file outside its root by a relative path: compare what follows the last "/"
+    assert sorted(f.rsplit("/", 1)[-1] for f in entry["failures"]) == [f"{tests.name}::test_i[{i}]" for i in (1, 3)]
+    assert "2 failed, 3 passed" in entry["summary"]
+    assert any(s["phases"]["tests"].get("failures") for s in saved if s["phases"]["tests"]["status"] == "running")
+    check = gpu_check.checks({"phases": {"tests": entry}})[0]
+    assert check["result"] == "FAIL" and "test_i[1]" in check["detail"] and "test_i[3]" in check["detail"]
+
+
+def test_the_profilers_figures_per_kernel_and_per_step():
+    """device_time_by_name sums one device's events by name (here the CPU's, as a GPU's kernels are summed);
+    step_profile divides by the steps and sets the GPU's time beside the wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from depth_kernels.tools import bench
+    x = torch.randn(64, 64)
+    events = bench.profiled(lambda: (x @ x, x @ x), 3, activities=[ProfilerActivity.CPU])
+    kinds = bench.device_time_by_name(events, DeviceType.CPU)
+    assert kinds["aten::mm"]["calls"] == 6 and kinds["aten::mm"]["ms"] > 0
+    assert list(kinds) == sorted(kinds, key=lambda k: -kinds[k]["ms"])
+    assert bench.device_time_by_name(events) == {}          # no CUDA activity was profiled
+    profile = bench.step_profile([], 2, wall_ms_per_step=10.0)
+    assert profile == {"steps": 2, "gpu_ms_per_step": 0.0, "wall_ms_per_step": 10.0, "gpu_idle_fraction": 1.0,
+                       "top_kernels": {}}
+
+
 def test_dry_run_records_every_phase_and_writes_after_each(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.Popen(command(out), cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, text=True)
@@ -48,7 +117,7 @@ def test_dry_run_records_every_phase_and_writes_after_each(tmp_path):
     early = wait_for(out, lambda r: r["phases"].get("traffic", {}).get("status") == "running", proc)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout[-3000:]
-    assert list(early["phases"]) == ["environment", "traffic"] and early["phases"]["environment"]["status"] == "ok"
+    assert list(early["phases"]) == UP_TO_TRAFFIC and early["phases"]["environment"]["status"] == "ok"
     record = json.loads(out.read_text())
     assert list(record)[:3] == ["gpu", "device_count", "cuda_available"]
     assert record["torch"] == torch.__version__ and record["python"] and len(record["commit"]) == 40
@@ -103,7 +172,7 @@ def test_a_killed_check_leaves_the_phases_before_it(tmp_path, sig):
         if sig == signal.SIGKILL:             # the killed check could not end its phase's process: we do
             os.killpg(worker, signal.SIGKILL)
     record = json.loads(out.read_text())
-    assert list(record["phases"]) == ["environment", "traffic"]
+    assert list(record["phases"]) == UP_TO_TRAFFIC
     assert record["phases"]["environment"]["status"] == "failed"
     if sig == signal.SIGKILL:
         assert record["phases"]["traffic"]["status"] == "running"

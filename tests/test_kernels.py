@@ -1,5 +1,7 @@
 """The Triton depth-routing kernels against the fp32 reference (router.depth_route), the fused lean path against
 the reference path, and the kernel dispatch. Without CUDA the kernels run under Triton's interpreter."""
+import functools
+import math
 import os
 import subprocess
 import sys
@@ -48,14 +50,43 @@ def make_inputs(n, d, dtype, B=2, T=7, seed=0):
     return sources, query, norm_weight, grad_out
 
 
-def assert_close(got, want, rtol, atol_scale):
-    """Elementwise |got - want| <= rtol |want| + atol_scale * max|want|: relative to the tensor's own scale,
-    so sums over many tokens (the query's gradient) and values near zero are held to the same standard."""
+def assert_close(got, want, rtol, atol_scale, floor=0.0):
+    """Elementwise |got - want| <= rtol |want| + atol_scale * max|want| + floor: relative to the tensor's own scale,
+    so sums over many tokens (the query's gradient) and values near zero are held to the same standard. floor
+    (a tensor of want's shape, or a number) is the rounding error of terms that cancel, where want is 0 or near it
+    in exact arithmetic and its own scale says nothing (cancellation_floor)."""
     assert not got.isnan().any(), "unwritten (NaN) elements"
     got, want = got.double(), want.double()
     scale = want.abs().max().clamp_min(1e-30)
-    err = (got - want).abs() - rtol * want.abs()
+    err = (got - want).abs() - rtol * want.abs() - floor
     assert err.max() <= atol_scale * scale, f"max excess error {err.max():.3e} at scale {scale:.3e}"
+
+
+U32 = 2.0 ** -24   # fp32's unit roundoff
+
+
+def cancellation_floor(sources, query, norm_weight, grad_out, eps=1e-6):
+    """The rounding error of the softmax backward's cancelling terms, per gradient element: [each source's,
+    the query's, the norm weight's]. dz_i = a_i (go . s_i - D) subtracts D = go . r, a weighted mean of the
+    go . s_j, from go . s_i: where one source holds the weight (always, for n = 1) they agree and dz_i is 0 or
+    near it in exact arithmetic, while each path computes both dots in fp32, in its own order, each within
+    (ceil(log2 d) + 2) U32 sum_k |go_k s_ik| (a tree sum of d products, and r's rounding inside D). So dz_i
+    carries up to a_i gamma M (gamma: both paths' error, 2 (ceil(log2 d) + 2) U32; M = max_j sum_k |go_k s_jk|),
+    and that reaches ds_i through dz_i rstd_i (u - z_i rstd_i s_i / d), the query's gradient through
+    sum dz_i rstd_i s_i g and the norm weight's through sum dz_i rstd_i s_i q (sums over tokens and sources)."""
+    s = torch.stack([x.detach().double() for x in sources])                     # (n, B, T, d)
+    q, g, go = query.detach().double(), norm_weight.detach().double(), grad_out.double()
+    d = s.shape[-1]
+    u = q * g
+    rstd = (s.pow(2).mean(-1, keepdim=True) + eps).rsqrt()                      # (n, B, T, 1)
+    z = (s * u).sum(-1, keepdim=True) * rstd
+    a = z.softmax(dim=0)
+    gamma = 2 * (math.ceil(math.log2(d)) + 2) * U32
+    M = (go.abs() * s.abs()).sum(-1, keepdim=True).amax(dim=0)                  # (B, T, 1)
+    ddz_rstd = a * gamma * M * rstd                                              # |error of dz_i| rstd_i
+    ds = ddz_rstd * (u.abs() + z.abs() * rstd * s.abs() / d)
+    dq_dg = (ddz_rstd * s.abs()).sum(dim=(0, 1, 2))                              # (d,)
+    return [*ds, dq_dg * g.abs(), dq_dg * q.abs()]
 
 
 # fp32: both paths accumulate in fp32 in a different order: 1e-5 of the tensor's scale.
@@ -78,11 +109,14 @@ def test_kernel_matches_reference(n, d, dtype, nan_empty):
     assert got.dtype == want.dtype == dtype
     rtol, atol = TOL[dtype]
     assert_close(got, want, rtol, atol)
-    for i, (g, w) in enumerate(zip(got_grads[:n], want_grads[:n])):
+    # With one source (and where one source holds the weight) the query's and norm weight's gradients are 0 in
+    # exact arithmetic, and a source's gradient has a term that is: each path's is its own rounding noise
+    floors = cancellation_floor(sources, query, norm_weight, grad_out)
+    for i, (g, w, floor) in enumerate(zip(got_grads[:n], want_grads[:n], floors)):
         assert g.dtype == dtype, i
-        assert_close(g, w, rtol, atol)
-    for g, w in zip(got_grads[n:], want_grads[n:]):   # query, norm weight
-        assert_close(g, w, 1e-5, 1e-5)
+        assert_close(g, w, rtol, atol, floor)
+    for g, w, floor in zip(got_grads[n:], want_grads[n:], floors[n:]):   # query, norm weight
+        assert_close(g, w, 1e-5, 1e-5, floor)
 
 
 def test_kernel_mixes_fp32_and_bf16_sources(nan_empty):
@@ -216,7 +250,7 @@ STATES = [("delta", {}, 3, {}), ("delta", {"null_source": True}, 5, {"gate": Tru
 def run_state(cls, residual, options, group_size, router_options, scale, d=96):
     """A depth state driven through 4 layers of stand-in sublayers v = tanh(y W_l) (B = 2, T = 7, width d):
     every sublayer input y_l and the gradients of a loss over them, of the embedding, the maps, the routers
-    and the pre-norm weights."""
+    and the pre-norm weights; and the routers' logit bound (logit_bound)."""
     g = torch.Generator().manual_seed(3)
     n_layers = 4
     policy = make_policy(residual, n_layers, **options)
@@ -246,12 +280,18 @@ def run_state(cls, residual, options, group_size, router_options, scale, d=96):
     if policy.final_read:
         ys.append(state.output(norms[-1]))
     loss = sum((y.float() * p.to(DEVICE)).sum() for y, p in zip(ys, probes))
-    return ys, torch.autograd.grad(loss, leaves, allow_unused=True)
+    return ys, torch.autograd.grad(loss, leaves, allow_unused=True), logit_bound(routers)
+
+
+def logit_bound(routers) -> float:
+    """max over routers of |q * g|_2 sqrt(d): a bound on sum_k |s_k u_k| rstd(s) (Cauchy-Schwarz, with
+    |s|_2 rstd(s) <= sqrt(d)), so on |z| and on the terms an fp32 logit sums."""
+    return max((r.query * r.norm_weight).detach().double().norm().item() * r.query.numel() ** 0.5 for r in routers)
 
 
 @pytest.mark.parametrize("scale_of_logits", [0.3, 30.0], ids=["logits~1", "logits~300"])
-@pytest.mark.parametrize("case", STATES, ids=lambda c: "-".join([c[0], *(f"{k}={v}" for k, v in {**c[1], **c[3]}.items()),
-                                                                  f"G{c[2]}"]))
+@pytest.mark.parametrize("case", STATES, ids=lambda c: "-".join(
+    [c[0], *(f"{k}={v}" for k, v in {**c[1], **c[3]}.items()), f"G{c[2]}"]))
 def test_grouped_read_is_one_softmax_over_every_source(case, scale_of_logits, nan_empty):
     """Phase 1's state over the committed sources, merged with each receiver's own sources (and the partial
     block, the null source) by the online softmax, is Eq. 1 over all of them: every sublayer input and every
@@ -272,6 +312,24 @@ def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, n
     assert_grouped_matches_reference(("delta", {"null_source": True}, 7, {"gate": True}), 0.3)
 
 
+def gpu_configs(monkeypatch):
+    """The launchers' configurations as a GPU launch chooses them, asked here whether or not one is present (the
+    configuration functions are plain Python; nothing is launched while this is in force)."""
+    from depth_kernels import group_read, launch, receiver_read
+    for module in (launch, group_read, receiver_read):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    # caches of their own, so the interpreter's configurations do not meet the GPU's in either one
+    for module, name in ((group_read, "_group_config"), (receiver_read, "_receiver_config")):
+        monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))
+    return group_read, receiver_read
+
+
+INTERPRETER_TILES = ("the interpreter's tiles: there a row's tail is at least a quarter tile (d = 80: 64 + 32), on a "
+                     "GPU at least two lanes a thread (512 on 8 warps), so d = 80 and 96 are one tile there; "
+                     "test_phase_one_splits_rows_as_a_gpu_does and test_phase_one_on_split_rows_on_a_gpu cover a GPU")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_TILES)
 @pytest.mark.parametrize("d", [80, 64, 96])
 def test_phase_one_on_split_rows(d, nan_empty):
     """Phase 1 holds a row as a head tile and a tail tile (depth_kernels.launch.row_split): at d = 80 under the
@@ -280,20 +338,45 @@ def test_phase_one_on_split_rows(d, nan_empty):
     from depth_kernels import group_read
     from depth_kernels.launch import row_split
     assert group_read._group_config(d, backward=True)["BLOCK_T"] == {80: 32, 64: 0, 96: 32}[d]
-    assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0) and row_split(2048, 512) == (2048, 0)
+    assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0)
+    assert row_split(2048, 512) == (2048, 0)
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)
+
+
+def test_phase_one_splits_rows_as_a_gpu_does(monkeypatch):
+    """On a GPU a row's tail has at least two lanes per thread (512 on phase 1's 8 warps): the paper's d = 1280
+    is 1024 + 512 lanes in phase 1 and the receivers (8 warps backward, and forward phase 1 then runs on 8
+    warps, not 16), d = 80 and 96 one tile of 128 lanes, 768 one of 1024 (a tail of 512 would not save lanes)."""
+    group_read, receiver_read = gpu_configs(monkeypatch)
+    for backward in (False, True):
+        split = group_read._group_config(1280, backward=backward)
+        assert (split["BLOCK_D"], split["BLOCK_T"]) == (1024, 512), (backward, split)
+        for d, whole in ((80, 128), (96, 128), (768, 1024)):
+            one = group_read._group_config(d, backward=backward)
+            assert (one["BLOCK_D"], one["BLOCK_T"]) == (whole, 0), (d, backward, one)
+    assert group_read._group_config(1280, backward=False)["num_warps"] == 8
+    assert (receiver_read._receiver_config(2048, 1280, backward=True)["BLOCK_T"]) == 512
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter's form is "
+                    "test_phase_one_on_split_rows (at d = 1280 the interpreter takes minutes)")
+def test_phase_one_on_split_rows_on_a_gpu(nan_empty):
+    """The split rows a GPU runs: d = 1280 as 1024 + 512 lanes. Every input and gradient as the reference's."""
+    from depth_kernels import group_read
+    assert group_read._group_config(1280, backward=True)["BLOCK_T"] == 512
+    assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, 1280)
 
 
 def test_a_read_given_a_norm_other_than_the_states_says_so():
     """A group stacks its receivers' pre-norm weights at its start, from the norms the state was given: a read
     given another norm (whose weight the kernels would not use) is an error, not a silent mix-up."""
     d, policy = 16, make_policy("delta", 2)
-    routers = torch.nn.ModuleList(Router(d, gate=False) for _ in range(policy.n_receivers(4)))
-    norms = [RMSNorm(d, 1e-6) for _ in range(5)]
-    state = GroupedDepthState(policy, routers, torch.randn(1, 3, d), reference, 1e-6, norms=norms)
+    routers = torch.nn.ModuleList(Router(d, gate=False) for _ in range(policy.n_receivers(4))).to(DEVICE)
+    norms = [RMSNorm(d, 1e-6).to(DEVICE) for _ in range(5)]
+    state = GroupedDepthState(policy, routers, torch.randn(1, 3, d, device=DEVICE), reference, 1e-6, norms=norms)
     state.add(torch.tanh(state.input(norms[0])))
     with pytest.raises(ValueError, match=r"sublayer 1 is read with a norm other than norms\[1\]"):
-        state.input(RMSNorm(d, 1e-6))
+        state.input(RMSNorm(d, 1e-6).to(DEVICE))
 
 
 @pytest.mark.parametrize("peek", [False, True], ids=["receivers-add", "stream-read-between"])
@@ -319,25 +402,39 @@ def test_a_receiver_that_makes_the_streams_add_gives_the_reference_gradients(pee
     assert len(made) == 8 and any(made) != peek, made
 
 
+# The gradients' tolerance where logits are large. An fp32 logit z = rstd (s . u) is off by up to
+# LOGIT_ROUNDING U32 Z in absolute terms (Z = logit_bound): ceil(log2 d) (7 at d = 96) for its tree sum of d
+# products and ~4 for rstd on a GPU (rsqrt.approx.f32 is within 2^-22.9 = 2.1 U32, the fp32 division in the
+# mean of squares 2 ulp, halved by the root; the interpreter's numpy rounds correctly), counted for each of the
+# two paths: 2 (7 + 4) = 22. Every other rounding is relative to its own value, as with logits ~1 (whose 1e-5 of
+# the scale covers those). A logit off by dz moves a softmax weight by a (1 - a) dz and the softmax's backward
+# (go . s_i - D, whose terms cancel where one source dominates) by as much relative to the gradients' scale,
+# and one read's error reaches the next reads through their inputs: twice that, 44. At logits ~300 (Z ~ 3100
+# here) that is 8e-3 of the scale; measured: up to 0.85 U32 Z of the scale under the interpreter (8 summation
+# orders per case, by permuting the features), up to 6.6 on an H200, where the approximate rsqrt makes the
+# logits' error a few times larger. A wrong merge is off by O(1) of the scale. tl.exp's ex2.approx.f32 (within
+# 2 ulp, PTX ISA) errs relative to a = exp(z - lse), not to Z: some 100x less than the logit's own rounding.
+LOGIT_ROUNDING = 44
+
+
 def assert_grouped_matches_reference(case, scale_of_logits, d=96):
-    got_ys, got_grads = run_state(GroupedDepthState, *case, scale_of_logits, d)
-    want_ys, want_grads = run_state(DepthState, *case, scale_of_logits, d)
+    got_ys, got_grads, bound = run_state(GroupedDepthState, *case, scale_of_logits, d)
+    want_ys, want_grads, _ = run_state(DepthState, *case, scale_of_logits, d)
     # With logits ~300 an fp32 logit carries an absolute rounding error ~300 times larger, which the two paths
     # commit in different orders: the inputs agree to 1e-4 there (1e-5 otherwise).
     mild = scale_of_logits == 0.3
     for got, want in zip(got_ys, want_ys):
         assert_close(got, want, 1e-5 if mild else 1e-4, 1e-5 if mild else 1e-4)
     # Gradients that are rounding noise themselves (a receiver with one source has a zero query gradient in
-    # exact arithmetic) are held to the scale of all the gradients, as in the whole-model test below. With
-    # logits ~300 the softmax's backward subtracts nearly equal terms (go . s_i - D), so the two paths' fp32
-    # summation orders differ by up to |e| times more: 30x the tolerance (a wrong merge is off by O(1)).
+    # exact arithmetic) are held to the scale of all the gradients, as in the whole-model test below, plus the
+    # logits' rounding (LOGIT_ROUNDING)
     scale = max(w.abs().max().item() for w in want_grads if w is not None)
-    atol = (1e-5 if mild else 3e-4) * scale
-    for got, want in zip(got_grads, want_grads):
+    atol = (1e-5 + LOGIT_ROUNDING * U32 * bound) * scale
+    for i, (got, want) in enumerate(zip(got_grads, want_grads)):
         if want is None:
             assert got is None or not got.any()
         else:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m, i=i: f"leaf {i}: {m}")
 
 
 # ------------------------------------------------------------------------------------------- whole model
@@ -372,23 +469,30 @@ def loss_and_grads(routed, kernel, idx):
                 r.null.normal_(0, 1.0)
     loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
     loss.backward()
-    return loss, {n: p.grad for n, p in model.named_parameters()}
+    return loss, {n: p.grad for n, p in model.named_parameters()}, logit_bound(model.routers)
 
 
 @pytest.mark.parametrize("routed", METHODS, ids=lambda r: "-".join(map(str, r.values())))
 def test_model_with_kernels_matches_reference(routed):
     idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    loss, grads = loss_and_grads(routed, "triton", idx)
-    want_loss, want_grads = loss_and_grads(routed, "reference", idx)
+    loss, grads, _ = loss_and_grads(routed, "triton", idx)
+    want_loss, want_grads, bound = loss_and_grads(routed, "reference", idx)
     # fp32 rounding differs between the paths (and Delta Block's partial is h~ - block start in the kernel
     # path, a running sum in the reference); backward through the layers amplifies it. Gradients that are
     # rounding noise themselves (a receiver with one source has a zero query gradient in exact arithmetic)
-    # are held to the scale of the model's gradients, not their own.
+    # are held to the scale of the model's gradients, not their own, plus the logits' rounding, as in the
+    # grouped read's test (LOGIT_ROUNDING): the routers' queries here are N(0, 1), logits up to ~50, so
+    # 1.3e-4 of the scale. The most exposed gradient is the tied embedding's: every read takes the embedding as
+    # a source and the LM head's gradient adds to it; where the null source replaces the stream (Full AttnRes,
+    # null_source), every gradient reaching it has passed through the routing, and on an H200 it exceeded 1e-5
+    # of the scale (the interpreter, with a GPU's tile configuration too, stays within 0.15 of that).
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == want_grads.keys()
     scale = max(g.abs().max().item() for g in want_grads.values())
+    atol = (1e-5 + LOGIT_ROUNDING * U32 * bound) * scale
     for name in grads:
-        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=atol,
+                                   msg=lambda m, name=name: f"{name} (gradient scale {scale:.3e}): {m}")
 
 
 @pytest.mark.parametrize("routed", [dict(residual="attnres", n_blocks=3), dict(residual="full_attnres"),
@@ -404,10 +508,10 @@ def test_model_with_kernels_under_bf16_autocast(routed):
     path is held against the fp32 model: the kernel path's loss within 1e-2 of it, and its largest gradient
     error at most 1.5x the reference path's own plus 1% of the gradient scale."""
     idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    true_loss, true_grads = loss_and_grads(routed, "reference", idx)
+    true_loss, true_grads, _ = loss_and_grads(routed, "reference", idx)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        loss, grads = loss_and_grads(routed, "triton", idx)
-        want_loss, want_grads = loss_and_grads(routed, "reference", idx)
+        loss, grads, _ = loss_and_grads(routed, "triton", idx)
+        want_loss, want_grads, _ = loss_and_grads(routed, "reference", idx)
     torch.testing.assert_close(loss, true_loss, rtol=1e-2, atol=0)
     scale = max(g.abs().max().item() for g in true_grads.values())
 

@@ -11,12 +11,14 @@ own process under a time cap:
    (d = 1280, 4 x 1024 tokens, bf16), the bytes each launch moves (counted from its arguments, as
    depth_kernels/tools/traffic.py does), the achieved bandwidth, and its fraction of a measured device-to-device copy
    and of the nominal peak;
-3. kernel_bandwidth: every routing kernel one training step of a 1044M model launches, timed alone between
-   two CUDA events, its bytes counted as depth_kernels/tools/traffic.py counts them: achieved bandwidth per kernel kind
-   and its fraction of the measured copy;
+3. kernel_bandwidth: every routing kernel one training step of a 1044M model launches, timed by the profiler
+   on the device (the kernel alone: no host time of Triton's launcher in it), its bytes counted as
+   depth_kernels/tools/traffic.py counts them: achieved bandwidth per kernel kind and its fraction of the
+   measured copy;
 4. bench_model: training steps of configs/1044m_*.py on random tokens (bf16 autocast, fused AdamW, 4 x 1024
    tokens per step, per-sublayer torch.compile as the configs ask): tokens/s, peak memory and allocated
-   memory at a middle step and at the last, so memory that grows over the run shows.
+   memory at a middle step and at the last, so memory that grows over the run shows; then a few steps under
+   the profiler: GPU time per step beside the wall time, and the fraction of the step the GPU waits.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ HOST_N = (9, 73)
 MODEL_CONFIGS = ("1044m_baseline", "1044m_delta_block", "1044m_delta")
 KERNEL_CONFIGS = MODEL_CONFIGS[1:]       # the methods that launch routing kernels
 WARMUP_STEPS = 2                         # step 1 compiles the sublayers and allocates AdamW's state
+PROFILE_STEPS = 3                        # steps under the profiler after the timed ones (its overhead is the host's)
 # nominal HBM bandwidth (bytes/s) by device name; a measured device-to-device copy is reported beside it
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12,
                      "A100-SXM4-80GB": 2.039e12, "A100 80GB PCIe": 1.935e12, "A100-SXM4-40GB": 1.555e12}
@@ -155,42 +158,44 @@ def bench_routing(nominal: float | None, copy: float, save: Callable[[list], Non
     return rows
 
 
-class LaunchTimer:
-    """A launch observer that runs each launch itself between two CUDA events, so the time is the kernel's alone, and
-    counts its bytes exactly as depth_kernels/tools/traffic.py's ByteCounter does. It returns True: the launch is done,
-    and depth_kernels.launch._launch must not launch it again (an observer runs before the launch, so one that returned
-    False could not record the end of it)."""
+def device_time_by_name(events, device_type=None) -> dict[str, dict]:
+    """{name: {"calls", "ms"}} of the profiler events that ran on `device_type` (default: CUDA): on a GPU each
+    is one kernel's (or copy's) execution, timed by the device itself, so no host time (Triton's Python
+    launcher, the observers) is in it. Sorted by time, longest first."""
+    device_type = torch.autograd.DeviceType.CUDA if device_type is None else device_type
+    kinds: dict[str, dict] = {}
+    for event in events:
+        if event.device_type == device_type:
+            k = kinds.setdefault(event.name, {"calls": 0, "ms": 0.0})
+            k["calls"] += 1
+            k["ms"] += event.time_range.elapsed_us() / 1e3
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms"]))
 
-    def __init__(self):
-        self.counter = ByteCounter()
-        self.timed: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []   # (kernel, bytes, start, end)
 
-    def __call__(self, launch: Launch) -> bool:
-        key = (self.counter.phase, f"kernel {launch.kernel.fn.__name__}")
-        before = self.counter.bytes[key]
-        self.counter.launch(launch)
-        self.counter.launches.clear()             # keep no tensor alive past its step
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(launch.writes[0].device):   # as _launch: Triton uses the current device
-            start.record()
-            launch.kernel[(launch.grid,)](**launch.args)
-            end.record()
-        self.timed.append((launch.kernel.fn.__name__, self.counter.bytes[key] - before, start, end))
-        return True
-
-    def by_kind(self, copy: float) -> dict[str, dict]:
-        """{kernel: launches, bytes, ms, bandwidth (bytes/s), of_copy}; synchronizes."""
+def profiled(step: Callable[[], None], steps: int, activities=None):
+    """The profiler's events of `steps` calls of step() (synchronized before and after)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = activities or [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        kinds: dict[str, dict] = {}
-        for name, moved, start, end in self.timed:
-            k = kinds.setdefault(name, {"launches": 0, "bytes": 0, "ms": 0.0})
-            k["launches"] += 1
-            k["bytes"] += moved
-            k["ms"] += start.elapsed_time(end)
-        for k in kinds.values():
-            k["bandwidth"] = k["bytes"] / (k["ms"] / 1e3)
-            k["of_copy"] = k["bandwidth"] / copy
-        return kinds
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return prof.events()
+
+
+def step_profile(events, steps: int, wall_ms_per_step: float, top: int = 10) -> dict:
+    """GPU time per step (the sum of every device event's time: kernels and copies, on one stream they do not
+    overlap) beside the wall time per step measured without the profiler, the fraction of the step the GPU
+    waits (1 - gpu / wall: on the host, launches, syncs), and the `top` kernels by time per step."""
+    kinds = device_time_by_name(events)
+    gpu_ms = sum(k["ms"] for k in kinds.values()) / steps
+    return {"steps": steps, "gpu_ms_per_step": gpu_ms, "wall_ms_per_step": wall_ms_per_step,
+            "gpu_idle_fraction": max(0.0, 1 - gpu_ms / wall_ms_per_step),
+            "top_kernels": {name: {"calls_per_step": k["calls"] / steps, "ms_per_step": k["ms"] / steps}
+                            for name, k in list(kinds.items())[:top]}}
 
 
 def environment() -> dict:
@@ -261,29 +266,47 @@ def training_step(model: Model, opt: torch.optim.Optimizer | None, idx: torch.Te
 
 
 def kernel_bandwidth(config: str, copy: float, layers: int | None = None) -> dict[str, dict]:
-    """Per kernel kind, what one training step of configs/<config>.py launches: launches, bytes, ms, achieved
-    bandwidth and its fraction of `copy` (bytes/s). Sublayers run eagerly: they do not change the kernels."""
+    """Per routing kernel, what one training step of configs/<config>.py launches: launches, bytes (counted from
+    the launches' arguments as depth_kernels/tools/traffic.py counts them), ms (the profiler's device time of
+    the kernel alone, no host time in it), achieved bandwidth and its fraction of `copy` (bytes/s). Sublayers
+    run eagerly: they do not change the kernels."""
     model, _ = build_model(config, layers, compile=False)
     idx = torch.randint(0, model.cfg.vocab_size, TOKENS, device="cuda")
     training_step(model, None, idx)       # the kernels' first launches compile them
-    timer = LaunchTimer()
-    with observe_launches(timer):
-        training_step(model, None, idx)
-    kinds = timer.by_kind(copy)
+    counter, kinds = ByteCounter(), {}
+
+    def count(launch: Launch) -> bool:
+        k = kinds.setdefault(launch.kernel.fn.__name__, {"launches": 0, "bytes": 0})
+        counter.bytes.clear()
+        counter.launch(launch)
+        counter.launches.clear()          # keep no tensor alive past its step
+        k["launches"] += 1
+        k["bytes"] += sum(counter.bytes.values())
+        return False                      # count, and launch
+    with observe_launches(count):
+        events = profiled(lambda: training_step(model, None, idx), 1)
+    timed = device_time_by_name(events)
     for name, k in kinds.items():
+        # a kernel the profiler did not see (it should see every one) has no time: NaN, not a made-up figure
+        k["ms"] = timed.get(name, {}).get("ms", float("nan"))
+        k["profiled_calls"] = timed.get(name, {}).get("calls", 0)
+        k["bandwidth"] = k["bytes"] / (k["ms"] / 1e3)
+        k["of_copy"] = k["bandwidth"] / copy
         print(f"{config:<18} {name:<14} {k['launches']:4d} launches {k['ms']:8.3f} ms {k['bytes'] / 1e9:7.3f} GB "
               f"{k['bandwidth'] / 1e9:6.0f} GB/s ({100 * k['of_copy']:.0f}% of copy)")
-    del model, timer
+    del model
     torch.cuda.empty_cache()
     return kinds
 
 
 def bench_model(config: str, steps: int = 20, mark: int = 5, layers: int | None = None,
-                save: Callable[[dict], None] | None = None) -> dict:
+                save: Callable[[dict], None] | None = None, profile_steps: int = PROFILE_STEPS) -> dict:
     """`steps` training steps of configs/<config>.py on random tokens. At_step[mark] and at_step[steps]:
     tokens/s over the steps since the previous figure (steps 1..WARMUP_STEPS not timed), peak memory
     (max_memory_allocated since the model was built) and memory allocated after the step; also
-    memory_allocated after every step. Flat memory: the last step's figures equal the mark's."""
+    memory_allocated after every step. Flat memory: the last step's figures equal the mark's. Then
+    `profile_steps` more steps under torch.profiler: "profile" (step_profile), the GPU's time per step beside
+    the wall time of the timed steps."""
     if not WARMUP_STEPS < mark < steps:
         raise ValueError(f"bench_model: need {WARMUP_STEPS} < mark < steps; got mark={mark}, steps={steps}")
     model, cfg = build_model(config, layers)
@@ -309,6 +332,16 @@ def bench_model(config: str, steps: int = 20, mark: int = 5, layers: int | None 
             since, t0 = i, now
             if save:
                 save(result)
+    if profile_steps:
+        last = result["at_step"][str(steps)]
+        wall_ms = 1e3 * TOKENS[0] * TOKENS[1] / last["tokens_per_s"]
+        result["profile"] = step_profile(profiled(lambda: training_step(model, opt, idx), profile_steps),
+                                         profile_steps, wall_ms)
+        p = result["profile"]
+        print(f"{config:<18} GPU {p['gpu_ms_per_step']:.1f} ms per step of {wall_ms:.1f} ms wall: the GPU waits "
+              f"{100 * p['gpu_idle_fraction']:.0f}% of the step")
+        if save:
+            save(result)
     del model, opt
     torch.cuda.empty_cache()
     return result
