@@ -1,7 +1,5 @@
 """Read a compiled routing kernel's sm_90 machine code (SASS): its loops, what one pass of each does, and how many
-passes a launch makes.
-
-    python -m depth_kernels.tools.sass          # the 1044M training kernels: the speed table and the calibration
+passes a launch makes (depth_kernels/tools/speed.py times the 1044M training kernels with it).
 
 A kernel's speed is set by what its innermost loops do per iteration, which the PTX does not show (the cross-warp
 reductions, their barriers and shared-memory traffic appear only after ptxas). The Triton wheel ships NVIDIA's
@@ -202,20 +200,6 @@ def passes(region: Region, args: dict, kernel_path: str) -> int:
     return n
 
 
-def summary(found: list[Region]) -> dict:
-    """Per innermost loop (a region with the most enclosing loops: the one a program spends its time in) its
-    instructions, barriers, shared-memory instructions, shuffles and global bytes per thread per iteration."""
-    inner = [r for r in found if r.loop]
-    if not inner:
-        return {"loops": 0}
-    deepest = max(len(r.enclosing) for r in inner)
-    r = max((r for r in inner if len(r.enclosing) == deepest), key=lambda r: r.instructions)
-    return {"loops": len(inner), "line": f"{os.path.basename(r.loop[0])}:{r.loop[1]}",
-            "instructions": r.instructions, "barriers": r.classes.get("barrier", 0),
-            "shared": r.classes.get("shared", 0), "shuffles": r.classes.get("shuffle", 0),
-            "bytes": sum(r.bytes.values())}
-
-
 _REGISTER = re.compile(r"\b(U?R\d+|U?P\d)\b")
 _NO_DESTINATION = ("store", "barrier", "async", "wait")
 
@@ -259,8 +243,34 @@ def latency_cycles(region: Region, crowd: int = 1) -> int:
     return chain_cycles(region, LATENCY_CYCLES, crowd, SHARED_PIPE_CYCLES)
 
 
-def launch_passes(found: list[Region], args: dict, kernel_path: str, crowd: int = 1) -> list:
-    """occupancy.Pass per region of a compiled kernel for a launch with arguments `args`; crowd: the warps on the
-    SM that run the same code (warps x programs resident)."""
+def read(cubin: bytes, num_warps: int, shared: int) -> dict:
+    """What depth_kernels/tools/aot.py keeps of a kernel's SASS (JSON-able): {"registers", "resident" (programs an
+    SM holds), "regions": [{"loop", "enclosing", "instructions", "classes", "bytes", "chain": {P: one warp's
+    chain cycles with P programs resident}}]}."""
+    from depth_kernels.tools.occupancy import programs_resident
+    registers = resources(cubin)["registers"]
+    resident = programs_resident(registers, shared, num_warps)
+    return {"registers": registers, "resident": resident, "regions": [
+        {"loop": r.loop, "enclosing": r.enclosing, "instructions": r.instructions, "classes": r.classes,
+         "bytes": r.bytes, "chain": {p: latency_cycles(r, num_warps * p) for p in range(1, max(resident, 1) + 1)}}
+        for r in regions(disassemble(cubin))]}
+
+
+def launch_passes(code: dict, args: dict, kernel_path: str, programs: int) -> list:
+    """occupancy.Pass per region of a kernel read() for a launch with arguments `args`, `programs` per SM."""
     from depth_kernels.tools.occupancy import Pass
-    return [Pass(passes(r, args, kernel_path), r.instructions, latency_cycles(r, crowd)) for r in found]
+    out = []
+    for r in code["regions"]:
+        region = Region(tuple(r["loop"]) if r["loop"] else None, [tuple(e) for e in r["enclosing"]])
+        chain = {int(p): c for p, c in r["chain"].items()}
+        out.append(Pass(passes(region, args, kernel_path), r["instructions"], chain[min(programs, max(chain))]))
+    return out
+
+
+def innermost(code: dict) -> dict:
+    """The region a program spends its iterations in: of the most deeply nested loops, the longest."""
+    loops = [r for r in code["regions"] if r["loop"]]
+    if not loops:
+        return code["regions"][0]
+    deepest = max(len(r["enclosing"]) for r in loops)
+    return max((r for r in loops if len(r["enclosing"]) == deepest), key=lambda r: r["instructions"])
