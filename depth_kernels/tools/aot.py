@@ -151,7 +151,9 @@ def _ptxas(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
-def compile_one(name: str, spec: tuple) -> Compiled:
+def compile_one(name: str, spec: tuple, read_code: bool | None = None) -> Compiled:
+    """One specialisation compiled for sm_90 and read; its machine code too with read_code (default: at
+    d = SASS_WIDTH)."""
     fn, signature, constexprs, attrs, options, launch = spec
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     registers, spills = _ptxas(kernel.asm["ptx"])
@@ -161,7 +163,7 @@ def compile_one(name: str, spec: tuple) -> Compiled:
     fits = max(1, min(by_registers, by_shared, 2048 // threads))
     full = occupancy(launch, full_grid=True, programs=min(fits, programs_per_sm(name)))
     code = sass.read(kernel.asm["cubin"], options.num_warps, kernel.metadata.shared) \
-        if launch.args.get("d") == SASS_WIDTH else None
+        if (launch.args.get("d") == SASS_WIDTH if read_code is None else read_code) else None
     return Compiled(name, options.num_warps, registers, spills, kernel.metadata.shared,
                     dict(_ptx_accesses(kernel.asm["ptx"])), vars(full), code)
 

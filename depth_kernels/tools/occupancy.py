@@ -16,8 +16,8 @@ x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB
 - masked lanes: a row is one tile of BLOCK_D = next_pow2(d) lanes, or a split row of BLOCK_D + BLOCK_T lanes
   (depth_kernels.launch.row_split), of which 1 - d / lanes do nothing.
 
-The bandwidth model (depth_kernels/tools/traffic.py uses it): a kernel reaches MAX_EFFICIENCY of the peak bandwidth if
-its SMs keep at least LATENCY x peak / SMs bytes in flight, and proportionally less below that.
+Bytes in flight bound a launch's memory time in the speed model below (Little's law), which times a launch from its
+compiled code (depth_kernels/tools/speed.py applies it; depth_kernels/tools/traffic.py's predicted step uses it).
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ import triton
 from depth_kernels import depth_route, group_read, receiver_read
 from depth_kernels.launch import H100_SMS, Launch, SourceTable
 
-LATENCY_S = 600e-9          # a global load's latency under load on sm_90 (HBM3), the model's one constant
-MAX_EFFICIENCY = 0.80       # the share of peak bandwidth a well-fed streaming kernel reaches
+LATENCY_S = 600e-9          # a global load's latency under load on sm_90 (HBM3)
 MIN_IN_FLIGHT = 16 * 1024   # bytes per SM the checks ask for: 3.35 TB/s x 600 ns / 132 SMs is about 15 KB
 MAX_MASKED = 0.20           # the checks' bound on lanes that compute nothing
 PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **receiver_read.PROGRAMS_PER_SM}
@@ -44,11 +43,6 @@ class Occupancy:
     rows_in_flight: int       # per program: the rows of one tile
     bytes_in_flight: int      # per SM
     masked: float             # fraction of each row operation's lanes that are padding
-
-    def efficiency(self, peak_bandwidth: float, sms: int = H100_SMS) -> float:
-        """The share of peak bandwidth this kernel reaches under the module's model."""
-        need = LATENCY_S * peak_bandwidth / sms
-        return MAX_EFFICIENCY * min(1.0, self.bytes_in_flight / need)
 
     def problems(self) -> list[str]:
         found = []

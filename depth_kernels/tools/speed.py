@@ -70,30 +70,48 @@ def compile_training(jobs: int = 1) -> dict[str, aot.Compiled]:
         return {c.name: c for p in parts for c in p.result()}
 
 
+def launch_time(launch: Launch, moved: int, compiled: dict[str, aot.Compiled]) -> dict:
+    """One launch timed from its compiled code: occupancy.launch_seconds's figures, with its grid, programs that
+    fit on an SM, registers, iterations of its innermost loop per program and that loop's instructions, barriers and
+    shared-memory accesses. compiled: {specialisation: Compiled with code}; a specialisation missing there is
+    compiled (at any width: its machine code is read) and added."""
+    (name, spec), = aot.specialisations([launch]).items()
+    if name not in compiled or compiled[name].code is None:
+        compiled[name] = aot.compile_one(name, spec, read_code=True)
+    c = compiled[name]
+    code, path = c.code, inspect.getsourcefile(launch.kernel.fn)
+    programs = max(1, min(code["resident"], -(-launch.grid // SMS)))
+    passes = sass.launch_passes(code, launch.args, path, programs)
+    in_flight = occupancy(launch, programs=programs).bytes_in_flight
+    inner = sass.innermost(code)
+    return {"grid": launch.grid, "resident": code["resident"], "registers": code["registers"],
+            "iterations": max(p.passes for p in passes), "instructions": inner["instructions"],
+            "barriers": inner["classes"].get("barrier", 0), "shared": inner["classes"].get("shared", 0),
+            "shuffles": inner["classes"].get("shuffle", 0), "bytes": moved,
+            **launch_seconds(passes, launch.grid, c.num_warps, code["resident"], moved, in_flight)}
+
+
 def predict(config: str, compiled: dict[str, aot.Compiled]) -> list[dict]:
-    """Per launch of a training step of configs/<config>.py: its kernel, grid, programs per SM, iterations of its
-    innermost loop per program, that loop's instructions, barriers and shared-memory accesses, bytes, predicted
-    seconds and bound. compiled: {specialisation: Compiled with code} (aot.compile_all at d = 1280, or
-    compile_training); a specialisation missing there is compiled."""
+    """launch_time of every launch of a training step of configs/<config>.py, with its kernel's name and which
+    launch of that kernel it is (from 1). compiled: as launch_time's (aot.compile_all at d = 1280, or
+    compile_training)."""
     rows, count = [], defaultdict(int)
     for launch, moved in training_launches(config):
-        (name, spec), = aot.specialisations([launch]).items()
-        if name not in compiled or compiled[name].code is None:
-            compiled[name] = aot.compile_one(name, spec)
-        c, kernel = compiled[name], launch.kernel.fn.__name__
-        code, path = c.code, inspect.getsourcefile(launch.kernel.fn)
-        programs = max(1, min(code["resident"], -(-launch.grid // SMS)))
-        passes = sass.launch_passes(code, launch.args, path, programs)
-        in_flight = occupancy(launch, programs=programs).bytes_in_flight
-        timed = launch_seconds(passes, launch.grid, c.num_warps, code["resident"], moved, in_flight)
-        inner = sass.innermost(code)
+        kernel = launch.kernel.fn.__name__
         count[kernel] += 1
-        rows.append({"kernel": kernel, "launch": count[kernel], "grid": launch.grid, "resident": code["resident"],
-                     "registers": code["registers"], "iterations": max(p.passes for p in passes),
-                     "instructions": inner["instructions"], "barriers": inner["classes"].get("barrier", 0),
-                     "shared": inner["classes"].get("shared", 0), "shuffles": inner["classes"].get("shuffle", 0),
-                     "bytes": moved, **timed})
+        rows.append({"kernel": kernel, "launch": count[kernel], **launch_time(launch, moved, compiled)})
     return rows
+
+
+class Timer:
+    """launch, bytes -> predicted seconds from the compiled code (depth_kernels/tools/traffic.py's kernel time),
+    compiling each specialisation once."""
+
+    def __init__(self, compiled: dict[str, aot.Compiled] | None = None):
+        self.compiled = {} if compiled is None else compiled
+
+    def __call__(self, launch: Launch, moved: int) -> float:
+        return launch_time(launch, moved, self.compiled)["seconds"]
 
 
 def by_kernel(rows: list[dict]) -> dict[str, dict]:
