@@ -104,10 +104,8 @@ SHARED_RESERVED = 1024     # bytes per block the driver keeps (Nsight Compute: "
 # integer pipes, a global load LATENCY_S (outside the software pipeline, whose waits sass.chain_cycles counts ready)
 LATENCY_CYCLES = {"other": 4, "wait": 4, "store": 4, "async": 4, "load": round(LATENCY_S * CLOCK_HZ), "mufu": 16,
                   "shuffle": 30, "shared": 30, "barrier": 20}
-# cycles of the SM's shared-memory pipe per warp's 32-bit access or shuffle: 1 without bank conflicts (128 bytes a
-# cycle); 3 is calibrated: the cross-warp reductions' scratch (8 values per thread at an 8-byte stride, as the SASS
-# shows) conflicts, and 3 puts phase 1's backward, 70 % L1/shared pipe throughput in Nsight Compute, within 1.5x
-SHARED_PIPE_CYCLES = 3.0
+# cycles of the SM's shared-memory pipe per warp's 32-bit access or shuffle: 128 bytes a cycle, no bank conflicts
+SHARED_PIPE_CYCLES = 1.0
 
 
 def programs_resident(registers: int, shared: int, num_warps: int) -> int:

@@ -14,7 +14,9 @@ instruction names the Python line it came from. So:
   their .64/.128 widths); instructions under the never-true predicate (@!PT) and NOPs are left out;
 - a region's passes per program: the product of its loop's and its enclosing loops' trip counts, each the length
   of the `range(...)` its `for` statement writes, evaluated with the launch's arguments (a helper's parameter
-  through the argument its kernel passes, e.g. tiles.add_slots(lo, hi) <- dsum_lo, dsum_hi).
+  through the argument its kernel passes, e.g. tiles.add_slots(lo, hi) <- dsum_lo, dsum_hi). A loop the compiler
+  unrolled is two loops closing the same `for`: the longer runs trips // k passes (k: how many times longer it
+  is), the shorter the trips % k left over.
 
 Every instruction of a region counts on every pass: branches inside a loop (a receiver group past the last) are
 taken as executed, an upper bound the 1044M shapes meet (full groups).
@@ -64,6 +66,8 @@ class Region:
     classes: dict = field(default_factory=dict)   # {class: instructions}
     bytes: dict = field(default_factory=dict)     # {"load" | "store" | "async": bytes per thread per pass}
     code: list = field(default_factory=list)      # its Instructions, in address order
+    unroll: int = 1       # Python iterations per pass (a loop the compiler unrolled)
+    remainder: int = 0    # > 0: the leftover iterations of a loop unrolled this many times, one per pass
 
     @property
     def instructions(self) -> int:
@@ -135,7 +139,22 @@ def regions(sass: str) -> list[Region]:
         region.code.append(i)
         if kind in ("load", "store", "async"):
             region.bytes[kind] = region.bytes.get(kind, 0) + _width(i.opcode)
+    _mark_unrolled(found[1:])
     return found
+
+
+def _mark_unrolled(loops: list[Region]) -> None:
+    """Loops that close the same Python `for` in the same enclosing loops are one loop the compiler unrolled: the
+    shortest runs one iteration a pass (the remainder), each other one as many as it is longer (rounded)."""
+    groups = {}
+    for r in loops:
+        groups.setdefault((r.loop, tuple(r.enclosing)), []).append(r)
+    for group in groups.values():
+        if len(group) > 1:
+            one = min(group, key=lambda r: r.instructions)
+            for r in group:
+                r.unroll = max(1, round(r.instructions / one.instructions)) if r is not one else 1
+            one.remainder = max(r.unroll for r in group)
 
 
 # ------------------------------------------------------------------------------------------- trip counts
@@ -193,10 +212,14 @@ def trips(loop: tuple[str, int], args: dict, kernel_path: str) -> int:
 
 
 def passes(region: Region, args: dict, kernel_path: str) -> int:
-    """How many times one program runs a region: its loop's trips times its enclosing loops'."""
+    """How many times one program runs a region: its loop's passes (trips, over its unroll factor, or what an
+    unrolled loop leaves over) times its enclosing loops' trips."""
     n = 1
-    for loop in region.enclosing + ([region.loop] if region.loop else []):
+    for loop in region.enclosing:
         n *= trips(loop, args, kernel_path)
+    if region.loop:
+        own = trips(region.loop, args, kernel_path)
+        n *= own % region.remainder if region.remainder else own // region.unroll
     return n
 
 
@@ -217,15 +240,18 @@ def _registers(operand: str, span: int = 1) -> list[str]:
 def chain_cycles(region: Region, latency: dict[str, int], crowd: int = 1, pipe: float = 1.0) -> int:
     """Cycles one warp takes over a region when nothing else issues: in order, each instruction one cycle after the
     one before, or when the registers it reads are ready (the writer's issue + latency[class]); a barrier waits for
-    everything before it. Waits of the software pipeline (DEPBAR) count as ready: the pipeline's loads were issued
+    everything before it, and the warp for the barrier. A shared-memory access or shuffle also waits for `crowd` warps'
+    same instruction to pass the shared-memory pipe, `pipe` cycles per 32-bit access each. Waits of the software pipeline (DEPBAR) count as ready: the pipeline's loads were issued
     STAGES - 1 iterations before, and the memory term of the model times them."""
     ready, now, done = {}, 0, 0
     for i in region.code:
         kind = CLASSES.get(i.opcode.split(".")[0], "other")
         operands = i.operands.split(",")
+        outputs = 2 if kind == "shuffle" else 1             # SHFL Pdst, Rdst, ...
         writes = [] if kind in _NO_DESTINATION or i.opcode.startswith(("BRA", "EXIT", "STS", "RED", "ATOMS")) \
-            else _registers(operands[0], _width(i.opcode) // 4 if kind in ("load", "shared") else 1)
-        reads = [r for op in operands[1 if writes else 0:] for r in _registers(op)]
+            else [r for op in operands[:outputs]
+                  for r in _registers(op, _width(i.opcode) // 4 if kind in ("load", "shared") else 1)]
+        reads = [r for op in operands[outputs if writes else 0:] for r in _registers(op)]
         start = max([now + 1] + [ready.get(r, 0) for r in reads] + ([done] if kind == "barrier" else []))
         wait = latency[kind]
         if kind in ("shared", "shuffle"):     # the crowd's same instruction through the pipe first
@@ -233,7 +259,7 @@ def chain_cycles(region: Region, latency: dict[str, int], crowd: int = 1, pipe: 
         for r in writes:
             ready[r] = start + wait
         done = max(done, start + wait)
-        now = start
+        now = start + (wait - 1 if kind == "barrier" else 0)    # the warp waits at a barrier
     return max(now, done)
 
 
@@ -252,7 +278,7 @@ def read(cubin: bytes, num_warps: int, shared: int) -> dict:
     resident = programs_resident(registers, shared, num_warps)
     return {"registers": registers, "resident": resident, "regions": [
         {"loop": r.loop, "enclosing": r.enclosing, "instructions": r.instructions, "classes": r.classes,
-         "bytes": r.bytes, "chain": {p: latency_cycles(r, num_warps * p) for p in range(1, max(resident, 1) + 1)}}
+         "bytes": r.bytes, "unroll": r.unroll, "remainder": r.remainder, "chain": {p: latency_cycles(r, num_warps * p) for p in range(1, max(resident, 1) + 1)}}
         for r in regions(disassemble(cubin))]}
 
 
@@ -261,7 +287,8 @@ def launch_passes(code: dict, args: dict, kernel_path: str, programs: int) -> li
     from depth_kernels.tools.occupancy import Pass
     out = []
     for r in code["regions"]:
-        region = Region(tuple(r["loop"]) if r["loop"] else None, [tuple(e) for e in r["enclosing"]])
+        region = Region(tuple(r["loop"]) if r["loop"] else None, [tuple(e) for e in r["enclosing"]],
+                        unroll=r["unroll"], remainder=r["remainder"])
         chain = {int(p): c for p, c in r["chain"].items()}
         out.append(Pass(passes(region, args, kernel_path), r["instructions"], chain[min(programs, max(chain))]))
     return out
