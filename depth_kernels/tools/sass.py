@@ -240,9 +240,10 @@ def _registers(operand: str, span: int = 1) -> list[str]:
 def chain_cycles(region: Region, latency: dict[str, int], crowd: int = 1, pipe: float = 1.0) -> int:
     """Cycles one warp takes over a region when nothing else issues: in order, each instruction one cycle after the
     one before, or when the registers it reads are ready (the writer's issue + latency[class]); a barrier waits for
-    everything before it, and the warp for the barrier. A shared-memory access or shuffle also waits for `crowd` warps'
-    same instruction to pass the shared-memory pipe, `pipe` cycles per 32-bit access each. Waits of the software pipeline (DEPBAR) count as ready: the pipeline's loads were issued
-    STAGES - 1 iterations before, and the memory term of the model times them."""
+    everything before it, and the warp for the barrier. A shared-memory access or shuffle also waits for `crowd`
+    warps' same instruction to pass the shared-memory pipe, `pipe` cycles per 32-bit access each. Waits of the
+    software pipeline (DEPBAR) count as ready: the pipeline's loads were issued STAGES - 1 iterations before, and
+    the memory term of the model times them."""
     ready, now, done = {}, 0, 0
     for i in region.code:
         kind = CLASSES.get(i.opcode.split(".")[0], "other")
@@ -278,7 +279,8 @@ def read(cubin: bytes, num_warps: int, shared: int) -> dict:
     resident = programs_resident(registers, shared, num_warps)
     return {"registers": registers, "resident": resident, "regions": [
         {"loop": r.loop, "enclosing": r.enclosing, "instructions": r.instructions, "classes": r.classes,
-         "bytes": r.bytes, "unroll": r.unroll, "remainder": r.remainder, "chain": {p: latency_cycles(r, num_warps * p) for p in range(1, max(resident, 1) + 1)}}
+         "bytes": r.bytes, "unroll": r.unroll, "remainder": r.remainder,
+         "chain": {p: latency_cycles(r, num_warps * p) for p in range(1, max(resident, 1) + 1)}}
         for r in regions(disassemble(cubin))]}
 
 
