@@ -4,6 +4,8 @@
                                                     # instructions and barriers, predicted time and share of the copy
                                                     # bandwidth; then predicted against measured (H200)
     python -m depth_kernels.tools.speed --jobs 1    # compile in one process (default: one per CPU)
+    python -m depth_kernels.tools.speed --traffic [--blocks 4] [--json out.json]   # depth_kernels.tools.traffic's
+                                                    # report with its "compiled" ratio: every launch timed so
 
 Every launch of one training step of configs/1044m_delta.py and configs/1044m_delta_block.py (4 x 1024 tokens, bf16
 autocast, as the configs run) is found on the meta device (depth_kernels.tools.traffic.dry_step), with the bytes it
@@ -26,7 +28,7 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
 from depth_kernels.launch import Launch
-from depth_kernels.tools import aot, sass
+from depth_kernels.tools import aot, sass, traffic
 from depth_kernels.tools.occupancy import COPY_BANDWIDTH, SMS, launch_seconds, occupancy
 from depth_kernels.tools.traffic import ByteCounter, dry_step
 
@@ -178,7 +180,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiler processes (default: one per CPU)")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
+    parser.add_argument("--traffic", action="store_true",
+                        help="run depth_kernels.tools.traffic (the other options are its) with every launch timed")
+    args, rest = parser.parse_known_args()
+    if args.traffic:
+        traffic.main(rest + (["--json", args.json] if args.json else []), Timer())
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.jobs < 1:
         raise SystemExit(f"--jobs {args.jobs}: allowed values are integers >= 1")
     compiled = compile_training(args.jobs)

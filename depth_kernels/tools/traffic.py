@@ -3,6 +3,7 @@
     python -m depth_kernels.tools.traffic                  # the 1044M shape: 36 layers, d = 1280, 8 blocks,
                                                            # 4 x 1024 tokens
     python -m depth_kernels.tools.traffic --json out.json  # also save the figures
+    python -m depth_kernels.tools.speed --traffic [...]    # the same with the "compiled" ratio (compiles the kernels)
 
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
@@ -275,18 +276,16 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, timer: Timer | None = None) -> None:
+    """The command; with a timer (`python -m depth_kernels.tools.speed --traffic`: speed.Timer) also the
+    "compiled" ratio."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", default="triton", choices=("triton", "reference"),
                         help="the routing path to count: the kernels (as on a GPU) or the reference")
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 4],
                         help="block counts (8: the meters' habit; 4: the 1044M configs')")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--flat", action="store_true",
-                        help="skip the compiled-code prediction (it compiles every kernel launched: minutes cold)")
-    args = parser.parse_args()
-    from depth_kernels.tools.speed import Timer         # speed.py counts its launches with this module
-    timer = None if args.flat else Timer()
+    args = parser.parse_args(argv)
     results = {}
     for regime in REGIMES:
         for blocks in args.blocks:
