@@ -14,7 +14,11 @@ global load and store in the PTX: a source read at bandwidth is moved in 128-bit
 `st.global.v4.b32`, or a 16-byte `cp.async` of the software pipeline), never element by element
 (`ld.global.b16` is 2 bytes).
 
-`check` holds the rules the GPU-readiness test (tests/test_gpu_ready.py) enforces.
+At d = SASS_WIDTH (1044M's) each specialisation's machine code is read as well (depth_kernels/tools/sass.py: loops,
+instructions, barriers and shared-memory accesses per iteration), which depth_kernels/tools/speed.py times.
+
+`check` holds the rules the GPU-readiness test (tests/test_gpu_ready.py) enforces; `speed_problems` the speed rule
+over the 1044M training kernels.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from triton.runtime.jit import create_function_from_signature
 
 from depth_kernels import depth_route, group_read, receiver_read
 from depth_kernels.launch import Launch, observe_launches, register_budget
-from depth_kernels.tools.occupancy import MAX_MASKED, MIN_IN_FLIGHT, Occupancy, occupancy
+from depth_kernels.tools import sass
+from depth_kernels.tools.occupancy import Occupancy, occupancy
 from depth_kernels.tools.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
@@ -46,6 +51,9 @@ TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 PAPER_WIDTHS = (768, 1024, 1280, 2048, 4096)  # d of the 220M, 533M / 0.6B, 1044M, (Qwen3-1.7B) and 8B configs
 SHARED_PER_SM = 228 * 1024
+SASS_WIDTH = 1280           # the width whose machine code is read: the 1044M model's
+MIN_OF_COPY = 0.60          # the speed rule: a training kernel's predicted share of the copy bandwidth at 1044M ...
+MIN_PROGRAMS = 2            # ... and programs per SM (one program's barriers leave nothing to fill their waits)
 # every routing option the model has, so every kernel variant it can launch is compiled
 VARIANTS = [dict(residual="attnres"), dict(residual="full_attnres", null_source=True), dict(residual="delta"),
             dict(residual="delta", null_source=True, gate=True), dict(residual="delta_block"),
@@ -64,6 +72,7 @@ class Compiled:
     shared_bytes: int
     accesses: dict          # {bits: count} of global loads, stores and cp.async copies in the PTX
     occupancy: dict         # depth_kernels/tools/occupancy.py's figures for a full grid, programs per SM by registers
+    code: dict | None = None  # at d = SASS_WIDTH: sass.read()'s loops and per-iteration counts of the cubin
 
 
 def model_launches(d: int, tokens: tuple[int, int] = (2, 64)) -> list[Launch]:
@@ -142,7 +151,9 @@ def _ptxas(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
-def compile_one(name: str, spec: tuple) -> Compiled:
+def compile_one(name: str, spec: tuple, read_code: bool | None = None) -> Compiled:
+    """One specialisation compiled for sm_90 and read; its machine code too with read_code (default: at
+    d = SASS_WIDTH)."""
     fn, signature, constexprs, attrs, options, launch = spec
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     registers, spills = _ptxas(kernel.asm["ptx"])
@@ -151,8 +162,10 @@ def compile_one(name: str, spec: tuple) -> Compiled:
     by_shared = SHARED_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32
     fits = max(1, min(by_registers, by_shared, 2048 // threads))
     full = occupancy(launch, full_grid=True, programs=min(fits, programs_per_sm(name)))
+    code = sass.read(kernel.asm["cubin"], options.num_warps, kernel.metadata.shared) \
+        if (launch.args.get("d") == SASS_WIDTH if read_code is None else read_code) else None
     return Compiled(name, options.num_warps, registers, spills, kernel.metadata.shared,
-                    dict(_ptx_accesses(kernel.asm["ptx"])), vars(full))
+                    dict(_ptx_accesses(kernel.asm["ptx"])), vars(full), code)
 
 
 def programs_per_sm(name: str) -> int:
@@ -229,6 +242,29 @@ def stated_reason(c: Compiled, problem: str) -> str | None:
     if "in flight" in problem and c.name.startswith("_group_fwd") and d <= 1024:
         return NARROW_REASON
     return None
+
+
+# Speed rules a training kernel at 1044M may break, each with its reason: {kernel name: reason}. None today.
+SPEED_REASONS: dict[str, str] = {}
+
+
+def speed_problems(kernels: dict[str, dict[str, dict]]) -> list[str]:
+    """What keeps the 1044M training kernels from streaming, from their compiled code: {config: {kernel: figures}}
+    as depth_kernels.tools.speed.by_kernel gives them -> one line per kernel predicted under MIN_OF_COPY of the copy
+    bandwidth or run with fewer than MIN_PROGRAMS programs per SM, unless SPEED_REASONS covers the kernel."""
+    problems = []
+    for config, found in kernels.items():
+        for name, k in found.items():
+            if name in SPEED_REASONS:
+                continue
+            if k["of_copy"] < MIN_OF_COPY:
+                problems.append(f"{config} {name}: predicted {k['of_copy']:.1%} of the copy bandwidth < "
+                                f"{MIN_OF_COPY:.0%} ({k['bound']}-bound, {k['instructions']} instructions and "
+                                f"{k['barriers']} barriers per iteration)")
+            if k["programs_per_sm"] < MIN_PROGRAMS:
+                problems.append(f"{config} {name}: {k['programs_per_sm']} program(s) per SM < {MIN_PROGRAMS} "
+                                f"(grid {k['grid']} on 132 SMs, {k['resident']} fit by registers and shared memory)")
+    return problems
 
 
 def _compile_part(d: int, part: int, parts: int) -> list[Compiled]:

@@ -3,6 +3,7 @@
     python -m depth_kernels.tools.traffic                  # the 1044M shape: 36 layers, d = 1280, 8 blocks,
                                                            # 4 x 1024 tokens
     python -m depth_kernels.tools.traffic --json out.json  # also save the figures
+    python -m depth_kernels.tools.speed --traffic [...]    # the same with the "compiled" ratio (compiles the kernels)
 
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
@@ -18,8 +19,11 @@ real `model.Model` on the meta device (shapes and dtypes, no data, no GPU), wher
 Routing's bytes are the step's bytes minus the baseline's. Dtypes follow train.py on one GPU or with DDP:
 fp32 parameters, embedding and residual stream, bf16 sublayer outputs (autocast).
 
-The time model: the baseline step takes flops_per_token / (MFU x peak FLOP/s); routing adds its bytes /
-(bandwidth efficiency x peak bandwidth), serially (nothing overlaps it). The predicted tokens/s ratio is
+The time model: the baseline step takes flops_per_token / (MFU x peak FLOP/s); routing adds, serially (nothing
+overlaps it), either all its bytes at a flat BANDWIDTH_EFFICIENCY of the peak bandwidth ("flat"), or its kernels
+at the time their compiled code is predicted to take on an H200 (depth_kernels/tools/speed.py: the launches'
+instructions, barriers and shared-memory accesses per loop iteration and their iterations, calibrated against
+measured H200 times) and its torch ops at BANDWIDTH_EFFICIENCY ("compiled"). The predicted tokens/s ratio is
 t_baseline / (t_baseline + t_routing). Every assumption is printed with the figures.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from depth_kernels.launch import Launch, SourceTable, observe_launches
 from depth_kernels.tools.bound import lower_bound
 from depth_kernels.tools.occupancy import Occupancy, occupancy
+from typing import Callable
 from model import Model, ModelConfig, RMSNorm
 from infra.runlog import flops_per_token
 
@@ -51,7 +56,7 @@ METHODS = {                                  # label -> ModelConfig overrides
 # dense bf16 tensor-core FLOP/s and HBM bytes/s from the vendor's data sheets (SXM parts)
 DEVICES = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12)}
 MFU = 0.40                    # the baseline's model FLOPs utilisation: a fast, well-tuned run
-BANDWIDTH_EFFICIENCY = 0.80   # the fraction of peak bandwidth routing's kernels and ops are assumed to reach
+BANDWIDTH_EFFICIENCY = 0.80   # the fraction of peak bandwidth torch ops (and, "flat", routing's kernels) reach
 OUTPUT_DTYPE = torch.bfloat16
 # (parameter dtype, sublayer output dtype): train.py on one GPU or with DDP (autocast: fp32 parameters,
 # embedding and stream); with FSDP2 (bf16 parameters: everything bf16)
@@ -172,15 +177,18 @@ def count_step(cfg: ModelConfig, tokens: tuple[int, int], regime: str = "autocas
     return counter
 
 
-def kernel_seconds(counter: ByteCounter, n_tokens: int) -> dict[str, float]:
-    """{device: seconds per token} the step's kernels take at the bandwidth their occupancy allows."""
-    return {device: sum(moved / (o.efficiency(bandwidth) * bandwidth) for moved, o in counter.kernels) / n_tokens
-            for device, (_, bandwidth) in DEVICES.items()}
+Timer = Callable[[Launch, int], float]   # (launch, bytes it moves) -> predicted seconds (speed.Timer)
+
+
+def kernel_seconds(counter: ByteCounter, n_tokens: int, timer: Timer) -> float:
+    """Seconds per token the step's kernel launches take, each as `timer` predicts it."""
+    return sum(timer(launch, moved) for launch, (moved, _) in zip(counter.launches, counter.kernels)) / n_tokens
 
 
 def measure(shape: dict = SHAPE_1044M, tokens: tuple[int, int] = TOKENS_1044M, methods: dict = METHODS,
-            kernel: str = "triton", regime: str = "autocast") -> dict[str, dict]:
-    """{method: {"bytes_per_token", "forward", "backward", "by_name"}} of what routing adds to the baseline."""
+            kernel: str = "triton", regime: str = "autocast", timer: Timer | None = None) -> dict[str, dict]:
+    """{method: {"bytes_per_token", "forward", "backward", "kernel_bytes_per_token", "lower_bound", "by_name"}} of
+    what routing adds to the baseline; with a timer, also "kernel_seconds_per_token" (kernel_seconds)."""
     n_tokens = tokens[0] * tokens[1]
     cfgs = {label: ModelConfig(**shape, **overrides, kernel=kernel) for label, overrides in methods.items()}
     counters = {label: count_step(cfg, tokens, regime) for label, cfg in cfgs.items()}
@@ -193,7 +201,7 @@ def measure(shape: dict = SHAPE_1044M, tokens: tuple[int, int] = TOKENS_1044M, m
         kernels = sum(v for (_, name), v in extra.items() if name.startswith("kernel "))
         results[label] = {"bytes_per_token": sum(extra.values()) / n_tokens, **per_phase,
                           "kernel_bytes_per_token": kernels / n_tokens,
-                          "kernel_seconds_per_token": kernel_seconds(counter, n_tokens),
+                          **({"kernel_seconds_per_token": kernel_seconds(counter, n_tokens, timer)} if timer else {}),
                           "lower_bound": lower_bound(cfgs[label], *REGIMES[regime]),
                           "by_name": {f"{p} {n}": v / n_tokens for (p, n), v in extra.most_common() if v}}
     return results
@@ -202,8 +210,8 @@ def measure(shape: dict = SHAPE_1044M, tokens: tuple[int, int] = TOKENS_1044M, m
 def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, device: str,
                     kernel: tuple[float, float] | None = None) -> float:
     """Predicted tokens/s relative to the baseline on `device`: routing's bytes at BANDWIDTH_EFFICIENCY of the
-    peak, or, with kernel = (the kernels' bytes, their seconds at the bandwidth their occupancy allows: see
-    kernel_seconds), the kernels at that and the rest (torch ops) at BANDWIDTH_EFFICIENCY."""
+    peak, or, with kernel = (the kernels' bytes, their predicted seconds: kernel_seconds), the kernels at that and
+    the rest (torch ops) at BANDWIDTH_EFFICIENCY."""
     flops, bandwidth = DEVICES[device]
     t_base = flops_per_token / (MFU * flops)
     if kernel is None:
@@ -214,10 +222,14 @@ def predicted_ratio(routing_bytes_per_token: float, flops_per_token: float, devi
     return t_base / (t_base + t_route)
 
 
-def occupancy_ratio(result: dict, flops_per_token: float, device: str) -> float:
-    """predicted_ratio of one measure() result with its kernels at the bandwidth their occupancy allows."""
-    return predicted_ratio(result["bytes_per_token"], flops_per_token, device,
-                           (result["kernel_bytes_per_token"], result["kernel_seconds_per_token"][device]))
+COMPILED_DEVICE = "H200"     # the device speed.py's model of the compiled code is calibrated on
+
+
+def compiled_ratio(result: dict, flops_per_token: float) -> float:
+    """predicted_ratio on COMPILED_DEVICE of one measure() result made with a timer: its kernels at their
+    predicted times."""
+    return predicted_ratio(result["bytes_per_token"], flops_per_token, COMPILED_DEVICE,
+                           (result["kernel_bytes_per_token"], result["kernel_seconds_per_token"]))
 
 
 REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (the precision rule: infra/distributed.py)",
@@ -235,22 +247,23 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
     lines = [f"routing traffic of one training step: {cfg.n_layers} layers, d = {cfg.d_model}, {cfg.n_blocks} blocks, "
              f"{tokens[0]} x {tokens[1]} tokens, {REGIME_NAMES[regime]}",
              f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (runlog.flops_per_token) at MFU {MFU:.0%}; "
-             f"routing not overlapped; flat: every byte at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth; occupancy: "
-             f"each kernel at what its bytes in flight allow (depth_kernels/tools/occupancy.py), torch ops at "
-             f"{BANDWIDTH_EFFICIENCY:.0%}; " +
+             f"routing not overlapped; flat: every byte at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth; compiled "
+             f"({COMPILED_DEVICE}): each kernel launch at the time its compiled code is predicted to take "
+             f"(depth_kernels/tools/speed.py), torch ops at {BANDWIDTH_EFFICIENCY:.0%}; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
              "MB per token above the baseline: today's, the lower bound and the floor of an in-order schedule "
              "(bound + hand-offs: depth_kernels/tools/bound.py), the goal; predicted tokens/s vs the baseline",
              f"{'method':<14}{'today':>8}{'forward':>9}{'backward':>9}{'bound':>8}{'floor':>8}{'goal':>7}"
-             f"{'H100 flat':>11}" + "".join(f"{k + ' occupancy':>16}" for k in DEVICES) + f"{'goal':>7}"]
+             + "".join(f"{k + ' flat':>11}" for k in DEVICES) + f"{COMPILED_DEVICE + ' compiled':>15}{'goal':>7}"]
     for label, r in results.items():
         goal = GOALS.get(label)
-        occupancy_ratios = "".join(f"{occupancy_ratio(r, fpt, k):>15.3f}x" for k in DEVICES)
+        compiled = f"{compiled_ratio(r, fpt):>14.3f}x" if "kernel_seconds_per_token" in r else f"{'-':>15}"
+        flat = "".join(f"{predicted_ratio(r['bytes_per_token'], fpt, k):>10.3f}x" for k in DEVICES)
         lines.append(f"{label:<14}{r['bytes_per_token'] / 1e6:>8.3f}{r['forward'] / 1e6:>9.3f}"
                      f"{r['backward'] / 1e6:>9.3f}{r['lower_bound']['bytes_per_token'] / 1e6:>8.3f}"
                      f"{r['lower_bound']['floor'] / 1e6:>8.3f}"
-                     f"{f'{goal[0] / 1e6:.2f}' if goal else '':>7}{predicted_ratio(r['bytes_per_token'], fpt, 'H100'):>10.3f}x"
-                     f"{occupancy_ratios}{f'{goal[1]:.2f}x' if goal else '':>7}")
+                     f"{f'{goal[0] / 1e6:.2f}' if goal else '':>7}{flat}{compiled}"
+                     f"{f'{goal[1]:.2f}x' if goal else '':>7}")
     lines.append(f"where the bytes go (MB per token, the {top} largest items per method); above the bound: "
                  + ABOVE_BOUND)
     for label, r in results.items():
@@ -263,25 +276,29 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, timer: Timer | None = None) -> None:
+    """The command; with a timer (`python -m depth_kernels.tools.speed --traffic`: speed.Timer) also the
+    "compiled" ratio."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", default="triton", choices=("triton", "reference"),
                         help="the routing path to count: the kernels (as on a GPU) or the reference")
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 4],
                         help="block counts (8: the meters' habit; 4: the 1044M configs')")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = {}
     for regime in REGIMES:
         for blocks in args.blocks:
             shape = {**SHAPE_1044M, "n_blocks": blocks}
             cfg = ModelConfig(**shape)
             fpt = flops_per_token(cfg, TOKENS_1044M[1])
-            found = results.setdefault(regime, {})[blocks] = measure(shape, kernel=args.kernel, regime=regime)
+            found = results.setdefault(regime, {})[blocks] = measure(shape, kernel=args.kernel, regime=regime,
+                                                                       timer=timer)
             print(report(found, cfg, TOKENS_1044M, regime) + "\n")
             for r in found.values():
                 r["predicted_ratio"] = {k: predicted_ratio(r["bytes_per_token"], fpt, k) for k in DEVICES}
-                r["predicted_ratio_occupancy"] = {k: occupancy_ratio(r, fpt, k) for k in DEVICES}
+                if timer:
+                    r["predicted_ratio_compiled"] = {COMPILED_DEVICE: compiled_ratio(r, fpt)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": SHAPE_1044M, "tokens": TOKENS_1044M, "kernel": args.kernel, "mfu": MFU,
