@@ -20,15 +20,11 @@ so a receiver's backward needs only its own sources and writes go, D (and keeps 
 then reads each committed source once, sums ds_i over the group's receivers and adds it in place into one
 gradient accumulator per source, and gives each receiver the committed part of its du.
 
-Per token row this is a small attention on tensor cores (tl.dot, fp32 accumulation): the C committed sources S
-(C, d) against the R receivers' folded queries U (R, d). This file holds phase 1; phase 2, fused with the
-pre-norm, is depth_kernels/receiver_read.py:
-- `_group_fwd`: Z = rstd S U^T, P = softmax over C, r_C = P^T S and lse_C, R receivers a pass;
-- `_group_bwd`: G = S go^T, A = exp(Z - lse), W = A (G - D) rstd; dS = A go + W U - (sum_r W Z) rstd S / d summed
-  into each source's gradient accumulator, du = W^T S summed over rows per program.
-Both are persistent (a program walks rows program_id, + programs, ...), read the address table once per program,
-and make two passes over a row's columns in chunks: the first for the (C, R) logits (and G), which need the whole
-row, the second (whose sources come back from cache) for what is written.
+This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
+loads; pipelined); phase 2, fused with the pre-norm, is depth_kernels/receiver_read.py:
+- `_group_fwd`: R receivers at once, one token row per program: (r_C, lse_C) per receiver;
+- `_group_bwd`: R receivers at once (8 to d = 2048), their rows of a token taken in groups: the committed
+  sources' gradients summed over the receivers, and their du.
 """
 from __future__ import annotations
 
@@ -38,217 +34,174 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depth_kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, sm_count
+from depth_kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, wave
+from depth_kernels.tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
+                                 row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
+                                 table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit
-def _table_rows(table, n_a, n_b, C_PAD: tl.constexpr, A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr):
-    """The table's sources as (C_PAD,) vectors: their addresses as pointers of each run's dtype, and which
-    rows are of the first run (the n_a of A_DTYPE) and which of the second. Loaded once per program."""
-    i = tl.arange(0, C_PAD)
-    addresses = tl.multiple_of(tl.load(table + i, mask=i < n_a + n_b, other=0), 16)   # aligned by the launcher
-    return (addresses.to(tl.pointer_type(A_DTYPE)), i < n_a, addresses.to(tl.pointer_type(B_DTYPE)),
-            (i >= n_a) & (i < n_a + n_b))
-
-
-@triton.jit
-def _sources(a_ptr, a_ok, b_ptr, b_ok, at, col_ok, SAME: tl.constexpr):
-    """Columns `at` (BK,) of every source, (C_PAD, BK) in fp32, 0 where masked: one load per dtype run (one in
-    all when both runs have one dtype)."""
-    if SAME:
-        return tl.load(a_ptr[:, None] + at[None, :], mask=(a_ok | b_ok)[:, None] & col_ok[None, :],
-                       other=0.0).to(tl.float32)
-    s = tl.load(a_ptr[:, None] + at[None, :], mask=a_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    return s + tl.load(b_ptr[:, None] + at[None, :], mask=b_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _queries(q_ptr, g_ptr, recv, recv_ok, cols, col_ok, d):
-    """Columns `cols` of the receivers' folded queries u = query * norm_weight, (R_BLOCK, BK) in fp32."""
-    at = recv[:, None] * d + cols[None, :]
-    mask = recv_ok[:, None] & col_ok[None, :]
-    q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    return q * tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _rows(ptr, recv, recv_ok, slab, at, col_ok):
-    """Columns `at` of the receivers' slots of a (R, slab) buffer (go), (R_BLOCK, BK) in fp32."""
-    return tl.load(ptr + recv[:, None].to(tl.int64) * slab + at[None, :], mask=recv_ok[:, None] & col_ok[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _add_into(ptr, rows, ok, at, col_ok, ds, accumulate):
-    """ds (C_PAD, BK) written into the gradient accumulators at row pointers `rows` (those `ok`), or added to
-    what is there (accumulate != 0)."""
-    mask = ok[:, None] & col_ok[None, :]
-    at = rows[:, None] + at[None, :]
-    old = tl.load(at, mask=mask & (accumulate != 0), other=0.0).to(tl.float32)
-    tl.store(at, (ds + old).to(ptr.dtype.element_ty), mask=mask)
+def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d):
+    """Folded queries u_r = query_r * norm_weight_r of receivers recv ((R, d) rows), in fp32: (R_BLOCK, width)
+    tiles."""
+    at = row_offsets(recv[:, None] * d, cols)
+    masks = row_masks(recv_ok, own)
+    return row_mul(row_load(q_ptr, at, masks), row_load(g_ptr, at, masks))
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
 def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, slab, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, C_PAD: tl.constexpr, R_BLOCK: tl.constexpr,
-               BK: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 1 for receivers recv = r0 + [0, R_BLOCK) (those < n_recv), token rows program_id(0), + programs,
-    ...: r_C at state_ptr + recv slab, lse_C at lse_c_ptr + recv M. Per row, its C sources S (C, d) against the
-    receivers' folded queries U (R, d) are a small attention: Z = rstd * S U^T (C, R), P = softmax over C,
-    r_C = P^T S. Two passes over the row's columns in chunks of BK: the first accumulates S U^T and the sources'
-    squares, the second (whose sources come back from cache) writes P^T S."""
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+    """Phase 1 for receivers recv = r0 + [0, R_BLOCK) (those < n_recv) at token row program_id(0): r_C at
+    state_ptr + recv slab, lse_C at lse_c_ptr + recv M. q_ptr, g_ptr: the group's (n_recv, d) queries and
+    norm weights. A row is split (depth_kernels/tiles.py): BLOCK_D lanes of head, BLOCK_T of tail."""
+    row = tl.program_id(0)
     recv = r0 + tl.arange(0, R_BLOCK)
     recv_ok = recv < n_recv
-    a_ptr, a_ok, b_ptr, b_ok = _table_rows(table, n_a, n_b, C_PAD, A_DTYPE, B_DTYPE)
-    src_ok = a_ok | b_ok
-    cols = tl.arange(0, BK)
-    for row in tl.range(tl.program_id(0), M, tl.num_programs(0)):
-        start = row * d.to(tl.int64)
-        z = tl.zeros((C_PAD, R_BLOCK), tl.float32)
-        squares = tl.zeros((C_PAD,), tl.float32)
-        for k in tl.range(0, d, BK, num_stages=STAGES):
-            col_ok = k + cols < d
-            s = _sources(a_ptr, a_ok, b_ptr, b_ok, start + k + cols, col_ok, A_DTYPE == B_DTYPE)   # (C, BK)
-            u = _queries(q_ptr, g_ptr, recv, recv_ok, k + cols, col_ok, d)                       # (R, BK)
-            z = tl.dot(s, tl.trans(u), z, input_precision=PRECISION)
-            squares += tl.sum(s * s, axis=1)
-        z = tl.where(src_ok[:, None], z * tl.rsqrt(squares / d + eps)[:, None], float("-inf"))
-        m = tl.max(z, axis=0)                                                  # (R,)
-        p = tl.exp(z - m[None, :])
-        l = tl.sum(p, axis=0)
-        tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
-        pt = tl.trans(p / l[None, :])                                          # (R, C)
-        out = state_ptr + recv[:, None].to(tl.int64) * slab + start
-        for k in tl.range(0, d, BK, num_stages=STAGES):
-            col_ok = k + cols < d
-            s = _sources(a_ptr, a_ok, b_ptr, b_ok, start + k + cols, col_ok, A_DTYPE == B_DTYPE)
-            r = tl.dot(pt, s, input_precision=PRECISION)                       # (R, BK)
-            tl.store(out + k + cols[None, :], r.to(state_ptr.dtype.element_ty), mask=recv_ok[:, None] & col_ok[None, :])
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    U = _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d)       # (R_BLOCK, width) per tile
+    offs = row_offsets(row.to(tl.int64) * d, cols)                         # (1, width): one token row
+    masks = row_own(own)
+    m = tl.full((R_BLOCK,), float("-inf"), tl.float32)
+    l = tl.zeros((R_BLOCK,), tl.float32)
+    acc = row_zeros(R_BLOCK, cols)                                         # one running sum per receiver
+    m, l, acc = read_table(table, n_a, n_b, offs, masks, U, d, eps, m, l, acc, A_DTYPE, B_DTYPE, STAGES)
+    row_store(state_ptr, row_offsets(recv[:, None].to(tl.int64) * slab + row.to(tl.int64) * d, cols), row_div(acc, l),
+              row_masks(recv_ok, own))
+    tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "accumulate"])
+@triton.jit
+def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps,
+                    H: tl.constexpr, GROUPS: tl.constexpr):
+    """One committed source row s (split: (1, width) tiles), summed over receivers r0 + [0, GROUPS H) taken in
+    GROUPS groups of H: its gradient ds (split like s), and du with each receiver's term dz rstd s added. U and
+    du are tuples of the groups' folded queries and du sums (split rows of (H, width) tiles), D and lse of their
+    (H,) per-row scalars. A group's go rows (go_row + receiver slab) are read here for each source and used at
+    once: U and du are all a pass holds across the sources, which lets 8 receivers share one program's
+    registers at d <= 2048 (their go as well would not fit). The row's go comes from memory for the first
+    source, from cache for the others. The read sits in a branch (which also skips a group past the last
+    receiver) so that the source loop's software pipeline, which stages the loads of the loop body, does not
+    keep STAGES copies of it in shared memory."""
+    rstd = tl.rsqrt(row_dot(s, s) / d + eps)
+    ds = row_zeros(1, cols)
+    shrink = tl.zeros_like(rstd)                                          # sum_r dz_r rstd z_r
+    new_du = ()
+    k = tl.arange(0, H)
+    for g in tl.static_range(GROUPS):
+        first = r0 + g * H
+        du_g = du[g]
+        if first < n_recv:
+            go = row_load(go_row, row_offsets((first + k)[:, None].to(tl.int64) * slab, cols),
+                          row_masks(first + k < n_recv, own))
+            us = tl.zeros((H,), tl.float32)
+            gs = tl.zeros((H,), tl.float32)
+            for c in tl.static_range(len(cols)):                          # both dot products, one reduction
+                us_c, gs_c = tl.split(tl.sum(tl.join(U[g][c] * s[c], go[c] * s[c]), axis=1))
+                us += us_c
+                gs += gs_c
+            z = us * rstd
+            a = tl.exp(z - lse[g])                                        # 0 for masked receivers (lse = inf)
+            dz_rstd = a * (gs - D[g]) * rstd
+            ds = row_colsum(ds, row_axpy(dz_rstd, U[g], row_scale(go, a)))    # + sum_r a go + dz rstd u
+            du_g = row_add(du_g, row_scale(s, dz_rstd))
+            shrink += tl.sum(dz_rstd * z, axis=0)
+        new_du = new_du + (du_g,)
+    return row_axpy(-(shrink * rstd / d), s, ds), new_du
+
+
+@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
 def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, acc_a_ptr, acc_b_ptr,
-               off_a, off_b, du_ptr, accumulate, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, C_PAD: tl.constexpr, R_BLOCK: tl.constexpr,
-               BK: tl.constexpr, PARTS: tl.constexpr, CHUNKS: tl.constexpr, STAGES: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """The committed sources' gradients for receivers recv = r0 + [0, R_BLOCK) (those < n_recv): source i's,
-    summed over them, into accumulator off_a + i of acc_a (a slot = slab elements) or off_b + i - n_a of acc_b;
-    and each program's partial sum of du into row program_id(0) // PARTS of du_ptr (programs, R_BLOCK, d).
-
-    Per row, with go = dL/dr_C (R, d) and D = go . r, lse per receiver (group_read's docstring):
-    Z = rstd * S U^T, A = exp(Z - lse), G = S go^T (C, R) from a first pass over the columns; then
-    W = A (G - D) rstd, dS = A go + W U - (sum_r W Z) rstd S / d and du += W^T S. A program takes the columns of
-    its part (program_id(0) % PARTS: CHUNKS chunks of BK) in the second pass and keeps their du (R, CHUNKS BK) in
-    registers across its rows; the PARTS programs of a row range run side by side, so that the first pass's
-    reads of the same rows are served by the cache. D, lse: (n_recv, M) with fewer than 2^31 entries."""
-    part = tl.program_id(0) % PARTS
-    program, programs = tl.program_id(0) // PARTS, tl.num_programs(0) // PARTS
-    recv = r0 + tl.arange(0, R_BLOCK)
-    recv_ok = recv < n_recv
-    a_ptr, a_ok, b_ptr, b_ok = _table_rows(table, n_a, n_b, C_PAD, A_DTYPE, B_DTYPE)
-    src_ok = a_ok | b_ok
-    i = tl.arange(0, C_PAD)
-    grad_a = acc_a_ptr + (off_a + i).to(tl.int64) * slab      # each source's accumulator, as pointers of its dtype
-    grad_b = acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab
-    cols = tl.arange(0, BK)
+               off_a, off_b, du_ptr, tiles, accumulate, M, d, eps,
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+    """The committed sources' gradients for receivers r0 + [0, R_BLOCK) (those < n_recv), in GROUPS groups of
+    R_BLOCK / GROUPS: source i's summed over them goes to accumulator off_a + i of acc_a (a slot = slab
+    elements) or off_b + i - n_a of acc_b. Each program takes `tiles` consecutive token rows and writes its
+    partial sum of every receiver's du (du_ptr (programs, R_BLOCK, d), row pid). D, lse: (n_recv, M) with fewer
+    than 2^31 entries. A row is split as in _group_fwd."""
+    pid = tl.program_id(0)
+    H: tl.constexpr = R_BLOCK // GROUPS
+    k = tl.arange(0, H)
+    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
+    masks = row_own(own)
+    U = ()
     du = ()
-    for c in tl.static_range(CHUNKS):
-        du = du + (tl.zeros((R_BLOCK, BK), tl.float32),)
-    for row in tl.range(program, M, programs):
-        start = row * d.to(tl.int64)
-        lse = tl.load(lse_ptr + recv * M + row, mask=recv_ok, other=float("inf"))   # inf: A = 0 past n_recv
-        D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)
-        z = tl.zeros((C_PAD, R_BLOCK), tl.float32)
-        g = tl.zeros((C_PAD, R_BLOCK), tl.float32)
-        squares = tl.zeros((C_PAD,), tl.float32)
-        for k in tl.range(0, d, BK, num_stages=STAGES):
-            col_ok = k + cols < d
-            s = _sources(a_ptr, a_ok, b_ptr, b_ok, start + k + cols, col_ok, A_DTYPE == B_DTYPE)
-            z = tl.dot(s, tl.trans(_queries(q_ptr, g_ptr, recv, recv_ok, k + cols, col_ok, d)), z,
-                       input_precision=PRECISION)
-            g = tl.dot(s, tl.trans(_rows(go_ptr, recv, recv_ok, slab, start + k + cols, col_ok)), g,
-                       input_precision=PRECISION)
-            squares += tl.sum(s * s, axis=1)
-        rstd = tl.rsqrt(squares / d + eps)
-        z = z * rstd[:, None]
-        a = tl.exp(tl.where(src_ok[:, None], z - lse[None, :], float("-inf")))   # 0 past the sources
-        w = a * (g - D[None, :]) * rstd[:, None]                                 # dz rstd, (C, R)
-        shrink = tl.sum(w * z, axis=1) * rstd / d                                # (C,)
-        new_du = ()
-        for c in tl.static_range(CHUNKS):
-            k = (part * CHUNKS + c) * BK
-            col_ok = k + cols < d
-            at = start + k + cols
-            s = _sources(a_ptr, a_ok, b_ptr, b_ok, at, col_ok, A_DTYPE == B_DTYPE)
-            u = _queries(q_ptr, g_ptr, recv, recv_ok, k + cols, col_ok, d)
-            go = _rows(go_ptr, recv, recv_ok, slab, at, col_ok)
-            ds = tl.dot(a, go, input_precision=PRECISION)
-            ds = tl.dot(w, u, ds, input_precision=PRECISION) - shrink[:, None] * s
-            _add_into(acc_a_ptr, grad_a, a_ok, at, col_ok, ds, accumulate)
-            _add_into(acc_b_ptr, grad_b, b_ok, at, col_ok, ds, accumulate)
-            new_du = new_du + (tl.dot(tl.trans(w), s, du[c], input_precision=PRECISION),)
-        du = new_du
-    out = du_ptr + program.to(tl.int64) * R_BLOCK * d + tl.arange(0, R_BLOCK)[:, None] * d
-    for c in tl.static_range(CHUNKS):
-        k = (part * CHUNKS + c) * BK
-        tl.store(out + k + cols[None, :], du[c], mask=(k + cols < d)[None, :])
+    for g in tl.static_range(GROUPS):
+        recv = r0 + g * H + k
+        U = U + (_receiver_queries(q_ptr, g_ptr, recv, recv < n_recv, cols, own, d),)
+        du = du + (row_zeros(H, cols),)
+    # disable_licm: what the source loops do once per row (their pipelines' first loads, their bounds) would
+    # otherwise be hoisted out of the row loop and held in registers through both source loops
+    for t in tl.range(tiles, disable_licm=True):
+        row = pid * tiles + t
+        if row < M:
+            offs = row_offsets(row.to(tl.int64) * d, cols)
+            go_row = go_ptr + row.to(tl.int64) * d
+            D = ()
+            lse = ()
+            for g in tl.static_range(GROUPS):
+                recv = r0 + g * H + k
+                D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
+                lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
+            for i in tl.range(0, n_a, num_stages=STAGES):
+                s = table_source(table, i, A_DTYPE, offs, masks)
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
+                                         GROUPS)
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
+            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                s = table_source(table, i, B_DTYPE, offs, masks)
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
+                                         GROUPS)
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
+                                    accumulate)
+    out = row_offsets(pid.to(tl.int64) * R_BLOCK * d + k[:, None] * d, cols)
+    for g in tl.static_range(GROUPS):
+        for c in tl.static_range(len(cols)):
+            tl.store(du_ptr + g * H * d + out[c], du[g][c], mask=masks[c])
 
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (depth_kernels/tools/aot.py checks registers against it): the forward
-# holds a (C, BK) chunk of sources, a (R, BK) chunk of queries and the (C, R) logits of one row at a time; the
-# backward also its part's du and the (C, R) weights of the row, and takes 8 warps.
-PROGRAMS_PER_SM = {"_group_fwd": 2, "_group_bwd": 1}
+# Programs per SM each kernel is built for (depth_kernels/tools/aot.py checks registers against it): phase 1 holds every
+# receiver's running sum of a row (forward) or its folded query and du (backward), so one program per SM, whose
+# software pipeline keeps the next rows of sources in flight.
+PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
-def _group_config(d: int, n_sources: int, backward: bool, exact: bool = False) -> dict:
-    """The tiles of phase 1 at width d over n_sources committed sources. C_PAD: the sources, padded to a power
-    of two of at least 16 (tl.dot's least dimension); R_BLOCK = 16 receivers per pass (a fine group of 8 is
-    padded); BK = 32 columns a chunk. The backward splits a row's columns into PARTS parts of CHUNKS chunks
-    (128 columns a part), whose du (R_BLOCK, CHUNKS BK) a program keeps across its rows.
-
-    PRECISION: the products run on tensor cores in TF32 (10-bit mantissa) where a table holds 16-bit sources
-    (autocast, bf16): their values are exact in it, and the folded queries, weights and an fp32 embedding
-    are rounded to 2^-11, below the 2^-9 to which r_C and go are rounded when they are stored in 16 bits.
-    Tables of fp32 sources only (exact) take three TF32 products per product (tf32x3: fp32's precision).
-    Under the interpreter every product is fp32's; small chunks and two parts, so that the tests see several
-    chunks, a masked tail chunk and both parts."""
-    c_pad = max(16, triton.next_power_of_2(n_sources))
+def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
+    """Phase 1 keeps R_BLOCK receivers' rows of one token row in registers: their running sums (forward), or
+    their folded queries and du (backward, in GROUPS groups of R_BLOCK / GROUPS receivers whose go rows are
+    read per source, not held). 8 receivers to d = 2048, 4 at 4096: the backward's query and du tiles are then
+    (8, 2048) fp32 each, half the registers of an SM, and with go held as well they would spill. More receivers
+    than R_BLOCK read the sources again (forward) or in further launches. With one program per SM, the source
+    loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in flight
+    (depth_kernels/tools/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
+    widths (checked by depth_kernels/tools/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
+    4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces). element_size: the
+    bytes of the table's sources. A row is split (depth_kernels.launch.row_split) with a tail of at least two
+    lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes; the
+    forward runs such rows on 8 warps (on 16 its tail would need 1024 lanes, no narrower than one tile)."""
+    block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
     if interpreting():
-        cfg = dict(C_PAD=c_pad, R_BLOCK=16, BK=16 if d <= 64 else 32, STAGES=1, num_warps=4, PRECISION="ieee")
-        parts = 2
-    else:
-        warps = 8 if backward else 4
-        per_sm = PROGRAMS_PER_SM["_group_bwd" if backward else "_group_fwd"]
-        wide = c_pad > 32 or exact or backward    # (C, R) tiles of 64 rows and more, or three products each
-        cfg = dict(C_PAD=c_pad, R_BLOCK=16, BK=32, STAGES=2, num_warps=warps,
-                   PRECISION="tf32x3" if exact else "tf32",
-                   maxnreg=register_budget(warps, per_sm) if wide else register_budget(warps, 2 * per_sm))
-        parts = triton.cdiv(d, 128)
+        return dict(R_BLOCK=16, **row_tiles(d, 4), STAGES=1, num_warps=4, **(dict(GROUPS=4) if backward else {}))
+    tiles = row_tiles(d, 8)
     if backward:
-        cfg.update(PARTS=parts, CHUNKS=triton.cdiv(triton.cdiv(d, cfg["BK"]), parts))
-    return cfg
+        stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
+        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, **tiles, STAGES=stages, num_warps=8,
+                    maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
+    warps = 8 if tiles["BLOCK_T"] else 16
+    return dict(R_BLOCK=8 if block_d <= 2048 else 4, **tiles, STAGES=8 if block_d > 1024 else 6, num_warps=warps,
+                maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd"]))
 
 
 def receivers_per_pass(d: int) -> int:
-    """How many receivers phase 1 serves in one pass over the sources at width d."""
-    return _group_config(d, 1, backward=True)["R_BLOCK"]
+    """How many receivers phase 1's backward serves in one pass over the sources at width d."""
+    return _group_config(d, backward=True)["R_BLOCK"]
 
-
-def _exact(table: SourceTable) -> bool:
-    """Whether every source of the table is fp32 (phase 1 then computes at fp32's precision)."""
-    return table.dtype(0) == tl.float32 and table.dtype(1) == tl.float32
-
-
-def _programs(M: int, per_sm: int, device: torch.device, parts: int) -> int:
-    """Row programs of a persistent phase-1 launch, each of `parts` programs: a row per program under the
-    interpreter; on a GPU `per_sm` programs for every SM (a second wave, where per_sm is twice what fits, keeps
-    the SMs busy to the end), or one per row where there are fewer rows."""
-    return M if interpreting() else max(1, min(M, sm_count(device) * per_sm // parts))
 
 
 def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, state: Tensor,
@@ -256,14 +209,13 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
     """Phase 1 for the n_recv = len(queries) receivers of a group: state[r] = r_C (a slot), lse_c[r] (M,)."""
     first = table.tensors[0]
     M, d = first.numel() // first.shape[-1], first.shape[-1]
-    cfg = _group_config(d, len(table.tensors), backward=False, exact=_exact(table))
+    cfg = _group_config(d, backward=False)
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
-    programs = _programs(M, PROGRAMS_PER_SM["_group_fwd"], first.device, 1)
     for r0 in range(0, n_recv, block):        # receivers beyond R_BLOCK: the sources are read again
         chunk = min(block, n_recv - r0)
         io = lambda: ([(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1)],  # noqa: E731
                       [state[r0:r0 + chunk, :first.numel()], lse_c[r0:r0 + chunk]])
-        launch(_group_fwd, programs, io, first.device, dict(
+        launch(_group_fwd, M, io, first.device, dict(
             table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=queries,
             g_ptr=norm_weights, r0=r0, n_recv=n_recv, state_ptr=state, lse_c_ptr=lse_c, slab=state.shape[1], M=M,
             d=d, eps=eps, **table.dtype_args(), **cfg))
@@ -277,24 +229,23 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     M, d = first.numel() // first.shape[-1], first.shape[-1]
     if D.numel() >= 2 ** 31:      # the kernel reads D and lse (n_recv, M) at 32-bit offsets
         raise ValueError(f"phase 1's backward takes fewer than 2^31 per-row scalars; got {tuple(D.shape)}")
-    cfg = _group_config(d, len(table.tensors), backward=True, exact=_exact(table))
-    n_recv, block, parts = queries.shape[0], cfg["R_BLOCK"], cfg["PARTS"]
-    programs = _programs(M, 2 * PROGRAMS_PER_SM["_group_bwd"], first.device, parts)
+    cfg = _group_config(d, backward=True, element_size=table.tensors[-1].element_size())
+    n_recv, block = queries.shape[0], cfg["R_BLOCK"]
+    programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)
     du = torch.empty(cdiv(n_recv, block), programs, block, d, dtype=torch.float32, device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
     n_a, n_b = table.n_a, len(table.tensors) - table.n_a
 
     def io(c: int, r0: int, chunk: int) -> tuple[list, list]:
         grads = [acc_a[off_a:off_a + n_a, :first.numel()], acc_b[off_b:off_b + n_b, :first.numel()]]
-        reads = [(table, 1), (go[r0:r0 + chunk, :first.numel()], 1), (D[r0:r0 + chunk], 1),
-                 (lse[r0:r0 + chunk], 1)]
+        reads = [(table, 1), (go[r0:r0 + chunk, :first.numel()], 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]
         return reads + [(g, 1) for g in grads if accumulate or c], grads + [du[c]]
 
     for c, r0 in enumerate(range(0, n_recv, block)):
         chunk = min(block, n_recv - r0)
-        launch(_group_bwd, programs * parts, lambda: io(c, r0, chunk), first.device, dict(
+        launch(_group_bwd, programs, lambda: io(c, r0, chunk), first.device, dict(
             table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv,
             go_ptr=go, D_ptr=D, lse_ptr=lse, slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a,
-            off_b=off_b, du_ptr=du[c], M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0),
+            off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0),
             **table.dtype_args(), **cfg))
     return du.sum(1).flatten(0, 1)[:n_recv]

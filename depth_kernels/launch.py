@@ -321,12 +321,12 @@ def wave(n_tiles: int, programs_per_sm: int, device: torch.device) -> tuple[int,
     program: one wave of programs (the SMs times the kernel's programs per SM), so the partial sums stay few."""
     if interpreting():
         return n_tiles, 1
-    tiles = cdiv(n_tiles, sm_count(device) * programs_per_sm)
+    tiles = cdiv(n_tiles, _sm_count(device) * programs_per_sm)
     return cdiv(n_tiles, tiles), tiles
 
 
 @functools.cache
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return H100_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count

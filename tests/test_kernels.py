@@ -299,21 +299,16 @@ def test_grouped_read_is_one_softmax_over_every_source(case, scale_of_logits, na
     assert_grouped_matches_reference(case, scale_of_logits)
 
 
-@pytest.mark.parametrize("r_block,parts", [(4, 2), (16, 3)], ids=["R4xP2", "R16xP3"])
-def test_phase_one_in_passes_and_parts(r_block, parts, monkeypatch, nan_empty):
-    """Phase 1 with R_BLOCK receivers per pass and a row's columns in PARTS parts (backward): groups of 7
-    receivers and 1 take two passes (4 + 3) or one with rows past the last receiver; at d = 96 in chunks of 32,
-    three parts of one chunk or two of two (the last one past the row). Every input and gradient as the
-    reference's."""
+@pytest.mark.parametrize("r_block,groups", [(4, 2), (8, 4)], ids=["R4xG2", "R8xG4"])
+def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, nan_empty):
+    """Phase 1's backward as it is built for a GPU: R_BLOCK receivers per pass taken in GROUPS groups of
+    R_BLOCK / GROUPS. Groups of 7 receivers and 1 take two passes (4 + 3) or one, with a group partly past the
+    last receiver and groups wholly past it: every input and gradient as the reference's."""
     from depth_kernels import group_read
-    config = group_read._group_config.__wrapped__
-
-    def compiled(d, n_sources, backward, exact=False):
-        cfg = dict(config(d, n_sources, backward, exact), R_BLOCK=r_block)
-        if backward:
-            cfg.update(PARTS=parts, CHUNKS=-(-(-(-d // cfg["BK"])) // parts))
-        return cfg
-    monkeypatch.setattr(group_read, "_group_config", compiled)
+    config = group_read._group_config
+    compiled = dict(R_BLOCK=r_block, GROUPS=groups)
+    monkeypatch.setattr(group_read, "_group_config", lambda d, backward, element_size=2:
+                        dict(config(d, backward, element_size), **(compiled if backward else {})))
     assert_grouped_matches_reference(("delta", {"null_source": True}, 7, {"gate": True}), 0.3)
 
 
@@ -329,39 +324,46 @@ def gpu_configs(monkeypatch):
     return group_read, receiver_read
 
 
+INTERPRETER_TILES = ("the interpreter's tiles: there a row's tail is at least a quarter tile (d = 80: 64 + 32), on a "
+                     "GPU at least two lanes a thread (512 on 8 warps), so d = 80 and 96 are one tile there; "
+                     "test_phase_one_splits_rows_as_a_gpu_does and test_phase_one_on_split_rows_on_a_gpu cover a GPU")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_TILES)
 @pytest.mark.parametrize("d", [80, 64, 96])
-def test_phase_one_on_chunked_rows(d, nan_empty):
-    """Phase 1 reads a row in chunks of BK columns (32 here): d = 80 is two chunks and a half-masked one, in two
-    parts of two chunks whose last is past the row; 96 three whole chunks; 64 two. Every input and gradient as the
-    reference's."""
+def test_phase_one_on_split_rows(d, nan_empty):
+    """Phase 1 holds a row as a head tile and a tail tile (depth_kernels.launch.row_split): at d = 80 under the
+    interpreter, 64 lanes + a 32-lane tail over columns 48..79 whose first 16 (the head's) are masked off; at
+    96 an exact 64 + 32; at 64 one tile. Every input and gradient as the reference's."""
+    from depth_kernels import group_read
+    from depth_kernels.launch import row_split
+    assert group_read._group_config(d, backward=True)["BLOCK_T"] == {80: 32, 64: 0, 96: 32}[d]
+    assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0)
+    assert row_split(2048, 512) == (2048, 0)
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)
 
 
-def test_phase_one_and_receivers_tile_rows_as_a_gpu_does(monkeypatch):
-    """The tiles a GPU launch takes. Phase 1 at the paper's d = 1280: chunks of 32 columns, the backward's row in
-    10 parts of 4 chunks, 16 receivers a pass, the sources padded to tl.dot's 16 (65 to 128), TF32 products for
-    16-bit tables and three of them for fp32 ones. The receivers split a row whose width is not a power of two
-    into a head and a tail of at least two lanes per thread (512 on 8 warps): 1280 is 1024 + 512, 80 and 96 one
-    tile of 128 lanes; with a 512-lane tail 768 stays one tile of 1024 (a split would not save lanes)."""
-    from depth_kernels.launch import row_split
+def test_phase_one_splits_rows_as_a_gpu_does(monkeypatch):
+    """On a GPU a row's tail has at least two lanes per thread (512 on phase 1's 8 warps): the paper's d = 1280
+    is 1024 + 512 lanes in phase 1 and the receivers (8 warps backward, and forward phase 1 then runs on 8
+    warps, not 16), d = 80 and 96 one tile of 128 lanes, 768 one of 1024 (a tail of 512 would not save lanes)."""
     group_read, receiver_read = gpu_configs(monkeypatch)
-    backward = group_read._group_config(1280, 9, backward=True)
-    assert {k: backward[k] for k in ("BK", "PARTS", "CHUNKS", "R_BLOCK", "C_PAD", "PRECISION")} == dict(
-        BK=32, PARTS=10, CHUNKS=4, R_BLOCK=16, C_PAD=16, PRECISION="tf32")
-    assert group_read._group_config(1280, 65, backward=False)["C_PAD"] == 128
-    assert group_read._group_config(1280, 3, backward=False, exact=True)["PRECISION"] == "tf32x3"
-    assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0)
-    assert row_split(2048, 512) == (2048, 0)
-    assert receiver_read._receiver_config(2048, 1280, backward=True)["BLOCK_T"] == 512
-    for d, whole in ((80, 128), (96, 128)):
-        one = receiver_read._receiver_config(2048, d, backward=True)
-        assert (one["BLOCK_D"], one["BLOCK_T"]) == (whole, 0), (d, one)
+    for backward in (False, True):
+        split = group_read._group_config(1280, backward=backward)
+        assert (split["BLOCK_D"], split["BLOCK_T"]) == (1024, 512), (backward, split)
+        for d, whole in ((80, 128), (96, 128), (768, 1024)):
+            one = group_read._group_config(d, backward=backward)
+            assert (one["BLOCK_D"], one["BLOCK_T"]) == (whole, 0), (d, backward, one)
+    assert group_read._group_config(1280, backward=False)["num_warps"] == 8
+    assert (receiver_read._receiver_config(2048, 1280, backward=True)["BLOCK_T"]) == 512
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter's form is "
-                    "test_phase_one_on_chunked_rows (at d = 1280 the interpreter takes minutes)")
-def test_phase_one_at_the_paper_width_on_a_gpu(nan_empty):
-    """Phase 1 and the receivers at d = 1280, as a GPU tiles it. Every input and gradient as the reference's."""
+                    "test_phase_one_on_split_rows (at d = 1280 the interpreter takes minutes)")
+def test_phase_one_on_split_rows_on_a_gpu(nan_empty):
+    """The split rows a GPU runs: d = 1280 as 1024 + 512 lanes. Every input and gradient as the reference's."""
+    from depth_kernels import group_read
+    assert group_read._group_config(1280, backward=True)["BLOCK_T"] == 512
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, 1280)
 
 

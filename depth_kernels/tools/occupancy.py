@@ -63,9 +63,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
     """What one launch keeps in flight (the module docstring's model). full_grid: as if the grid filled every
     SM (a check of the launch settings, whatever the tokens); programs: per SM, if not the module's design."""
     name, args = launch.kernel.fn.__name__, launch.args
-    M, d = args["M"], args["d"]
-    # a split row: head + tail; phase 1's rows: chunks of BK columns
-    lanes = args["BLOCK_D"] + args.get("BLOCK_T", 0) if "BLOCK_D" in args else triton.cdiv(d, args["BK"]) * args["BK"]
+    M, d, lanes = args["M"], args["d"], args["BLOCK_D"] + args.get("BLOCK_T", 0)   # a split row: head + tail
     programs = programs or PROGRAMS_PER_SM[name]
     programs = max(1, programs if full_grid else min(programs, triton.cdiv(launch.grid, sms)))
     tables = [t for t, _ in launch.reads if isinstance(t, SourceTable)]

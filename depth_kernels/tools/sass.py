@@ -197,6 +197,9 @@ def _value(node: ast.expr, args: dict, where: tuple[str, int], kernel_path: str)
         if passed is not None:
             return _value(passed, args, ("", 0), kernel_path)
         raise ValueError(f"loop bound {node.id!r} at {where[0]}:{where[1]} is not an integer argument of the launch")
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("program_id", "num_programs"):
+        # a persistent loop over program_id, + num_programs, ...: the first program's, which has the most
+        return 0 if node.func.attr == "program_id" else args["num_programs"]
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
         a, b = _value(node.left, args, where, kernel_path), _value(node.right, args, where, kernel_path)
         return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b, ast.FloorDiv: a // max(b, 1)}[type(node.op)]
@@ -206,9 +209,9 @@ def _value(node: ast.expr, args: dict, where: tuple[str, int], kernel_path: str)
 def trips(loop: tuple[str, int], args: dict, kernel_path: str) -> int:
     """Iterations of the Python loop at `loop` = (file, line) for a launch with arguments `args`."""
     call = _range_of(*loop)
-    bounds = [_value(a, args, loop, kernel_path) for a in call.args[:2]]
-    start, stop = (0, bounds[0]) if len(bounds) == 1 else bounds
-    return max(0, stop - start)
+    bounds = [_value(a, args, loop, kernel_path) for a in call.args[:3]]
+    start, stop, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds, 1)[:3]
+    return max(0, -(-(stop - start) // step))
 
 
 def passes(region: Region, args: dict, kernel_path: str) -> int:

@@ -83,7 +83,7 @@ def launch_time(launch: Launch, moved: int, compiled: dict[str, aot.Compiled]) -
     c = compiled[name]
     code, path = c.code, inspect.getsourcefile(launch.kernel.fn)
     programs = max(1, min(code["resident"], -(-launch.grid // SMS)))
-    passes = sass.launch_passes(code, launch.args, path, programs)
+    passes = sass.launch_passes(code, {**launch.args, "num_programs": launch.grid}, path, programs)
     in_flight = occupancy(launch, programs=programs).bytes_in_flight
     inner = sass.innermost(code)
     return {"grid": launch.grid, "resident": code["resident"], "registers": code["registers"],
