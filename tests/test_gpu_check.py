@@ -14,7 +14,7 @@ import torch
 
 from infra import shards
 from infra.config import load_config
-from scripts import gpu_check
+from scripts import gpu_check, gpu_multi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = [*gpu_check.PHASES, *gpu_check.MULTI_GPU]
@@ -217,14 +217,14 @@ def test_checks_hold_speed_to_the_prediction_and_memory_flat():
 
 
 def test_multi_gpu_data_is_uint32_for_qwen3_and_the_command_parses(tmp_path):
-    vocab = load_config([os.path.join(ROOT, gpu_check.MULTI_GPU_CONFIG)])[0].vocab_size
-    data = gpu_check.random_shards(str(tmp_path / "data"), vocab, windows=16)
+    vocab = load_config([os.path.join(ROOT, gpu_multi.MULTI_GPU_CONFIG)])[0].vocab_size
+    data = gpu_multi.random_shards(str(tmp_path / "data"), vocab, windows=16)
     header = shards.read_header(os.path.join(data, "train_000000.bin"))
     assert vocab == 151936 and header["dtype"].itemsize == 4 and header["vocab_size"] == vocab
     loader = shards.ShardLoader(data, "val", 4, 1024, world_size=2, step_batch=8)
     x, _ = loader.next_batch()
     assert x.shape == (4, 1024) and int(x.max()) >= 2 ** 16    # ids beyond uint16 survive
-    cmd = gpu_check.multi_gpu_command("fsdp", 2, data, str(tmp_path / "out"), 5)
+    cmd = gpu_multi.multi_gpu_command("fsdp", 2, data, str(tmp_path / "out"), 5)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd
     model_cfg, cfg = load_config(cmd[cmd.index("train.py") + 1:])      # every override is a real field
     assert (cfg.parallel, cfg.max_steps, cfg.batch_size, cfg.micro_batch_size) == ("fsdp", 5, 8, 4)
