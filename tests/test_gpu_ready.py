@@ -32,12 +32,13 @@ results = {d: [dict(asdict(c), problems=aot.check(c), code=None) for c in compil
 at_1280 = {c.name: c for c in every[1280]}
 predicted = {config: speed.predict(config, at_1280) for config in speed.CONFIGS}
 kernels = {config: speed.by_kernel(rows) for config, rows in predicted.items()}
-with open(speed.MEASURED) as f:
-    calibration = speed.calibration(predicted, json.load(f))
+calibration = speed.measured_calibration()
 print(speed.table(kernels) + "\n" + speed.calibration_table(calibration), file=sys.stderr)
 
 # phase 1's backward as measured on the H200: 8 receivers on one 8-warp program per SM, a grid of 128
-launch, moved = next((l, m) for l, m in speed.training_launches("1044m_delta") if l.kernel.fn.__name__ == "_group_bwd")
+with speed.measured_kernels():
+    launch, moved = next((l, m) for l, m in speed.training_launches("1044m_delta")
+                         if l.kernel.fn.__name__ == "_group_bwd")
 measured = Launch(launch.kernel, 128, dict(launch.args, R_BLOCK=8, GROUPS=4, BLOCK_D=1024, BLOCK_T=512, STAGES=6,
                                            num_warps=8, maxnreg=255, tiles=32), launch.reads, launch.writes)
 row = dict(kernel="_group_bwd", launch=1, **speed.launch_time(measured, moved, {}))

@@ -52,6 +52,17 @@ def test_loops_are_backward_branches_and_their_trips_are_the_python_ranges(tmp_p
         sass.passes(inner, dict(n=5, tiles=3, lo=1), str(path))
 
 
+def test_line_records_of_code_another_checkout_compiled_are_read_from_this_one(tmp_path):
+    """Triton's cache is keyed by the sources' hash, so a cached kernel's line records may name the folder of
+    the checkout that compiled it first: the file is looked up by name beside the kernel."""
+    path = tmp_path / "kernel.py"
+    path.write_text(KERNEL)
+    _, _, inner = sass.regions(listing("/gone/checkout/kernel.py"))
+    assert sass.passes(inner, dict(n=5, tiles=3, lo=1, hi=4), str(path)) == 3 * (2 * 4 - 1)
+    with pytest.raises(ValueError, match="names /gone/checkout/kernel.py, found neither"):
+        sass.passes(inner, dict(n=5, tiles=3, lo=1, hi=4), str(tmp_path / "elsewhere" / "other.py"))
+
+
 def test_a_loop_the_compiler_unrolled_runs_its_trips_over_the_unroll_and_the_rest_one_by_one(tmp_path):
     """Two loops closing line 3: one of 8 instructions (4 iterations a pass) and one of 2 (the remainder); 11
     trips are 2 passes of the first and 3 of the second."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import triton
 
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # depth_kernels/
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 NVDISASM = os.path.join(BIN, "nvdisasm")
 CUOBJDUMP = os.path.join(BIN, "cuobjdump")
@@ -165,6 +166,16 @@ def _tree(path: str) -> ast.Module:
         return ast.parse(f.read())
 
 
+def _here(path: str, kernel_path: str) -> str:
+    """The file a line record names, as it is in this checkout. Triton caches compiled code by the sources' hash,
+    so the records may name the folder of another checkout that compiled the same sources: the file is looked up
+    by name beside the kernel, then in the fast path's package."""
+    for folder in (os.path.dirname(kernel_path), PACKAGE):
+        if os.path.exists(found := os.path.join(folder, os.path.basename(path))):
+            return found
+    raise ValueError(f"compiled code names {path}, found neither beside {kernel_path} nor in {PACKAGE}")
+
+
 def _range_of(path: str, line: int) -> ast.Call:
     """The range(...) call of the `for` statement at a Python line."""
     for node in ast.walk(_tree(path)):
@@ -193,7 +204,7 @@ def _value(node: ast.expr, args: dict, where: tuple[str, int], kernel_path: str)
     if isinstance(node, ast.Name):
         if isinstance(args.get(node.id), int):
             return args[node.id]
-        passed = _helper_argument(*where, node.id, kernel_path)
+        passed = _helper_argument(_here(where[0], kernel_path), where[1], node.id, kernel_path)
         if passed is not None:
             return _value(passed, args, ("", 0), kernel_path)
         raise ValueError(f"loop bound {node.id!r} at {where[0]}:{where[1]} is not an integer argument of the launch")
@@ -208,7 +219,7 @@ def _value(node: ast.expr, args: dict, where: tuple[str, int], kernel_path: str)
 
 def trips(loop: tuple[str, int], args: dict, kernel_path: str) -> int:
     """Iterations of the Python loop at `loop` = (file, line) for a launch with arguments `args`."""
-    call = _range_of(*loop)
+    call = _range_of(_here(loop[0], kernel_path), loop[1])
     bounds = [_value(a, args, loop, kernel_path) for a in call.args[:3]]
     start, stop, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds, 1)[:3]
     return max(0, -(-(stop - start) // step))
