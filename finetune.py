@@ -39,7 +39,7 @@ from infra import files
 from infra import shards
 import train
 from infra import trained
-from infra.config import ConfigError, TrainConfig, check_ranges, load_config
+from infra.config import ConfigError, TrainConfig, check_ranges, command_line
 from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
 from infra.tokenizer import get_tokenizer
 from model import NON_NEGATIVE, Model, ModelConfig
@@ -263,7 +263,7 @@ def routing_overrides(model_cfg: ModelConfig) -> dict:
 def main(argv: list[str]) -> dict:
     if argv[:1] == ["export"]:
         return export(argv[1:])
-    model_cfg, cfg, ft = load_config(argv, classes=(ModelConfig, TrainConfig, FinetuneConfig))
+    model_cfg, cfg, ft = command_line(argv, "finetune.py", classes=(ModelConfig, TrainConfig, FinetuneConfig))
     if not ft.init_from:
         raise ConfigError("--init_from=PATH is required: a Hugging Face Qwen3 folder (config.json, safetensors, "
                           "tokenizer.json)")

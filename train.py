@@ -43,7 +43,7 @@ from infra import distributed
 from infra import files
 from infra import runlog
 from infra import shards
-from infra.config import ConfigError, TrainConfig, load_config
+from infra.config import ConfigError, TrainConfig, command_line
 from model import Model, ModelConfig
 
 OUT_DIR_LOCK = "run.lock"
@@ -71,6 +71,21 @@ def param_groups(model: Model, cfg: TrainConfig) -> list[dict]:
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)                                                     # (B, T, V)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def forward_backward(model: nn.Module, loader: shards.ShardLoader, grad_accum: int, device: torch.device,
+                     precision: str) -> torch.Tensor:
+    """An optimizer step's gradients: grad_accum micro-batches forward and backward, the gradients reduced over
+    ranks at the last one. Returns the micro-batches' mean loss, a device tensor (read without waiting)."""
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(grad_accum):
+        x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())  # (micro, T) each
+        with distributed.gradient_sync(model, micro_step == grad_accum - 1):
+            with distributed.autocast(device, precision):
+                loss = loss_fn(model, x, y)
+            (loss / grad_accum).backward()
+        loss_sum += loss.detach() / grad_accum
+    return loss_sum
 
 
 @torch.no_grad()
@@ -179,6 +194,7 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
     bad_in_a_row = skipped = steps_since_log = 0  # non-finite steps: in a row now, and in all this run
     out_of_time = signalled = save_due = False   # the last step's flags, the same on every rank
     val_loss = None                              # the final evaluation's
+    gpu_busy = runlog.GpuBusy(device)            # a logged step's GPU time, beside the wall time per step
     t0 = t_log = t_saved = time.time()
     with distributed.StopRequest(announce=ctx.is_main) as stop:
         while True:
@@ -225,23 +241,19 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
-            loss_sum = torch.zeros((), device=device)
-            for micro_step in range(grad_accum):
-                x, y = (t.to(device, non_blocking=True) for t in train_loader.next_batch())  # (micro, T) each
-                with distributed.gradient_sync(model, micro_step == grad_accum - 1):
-                    with distributed.autocast(device, cfg.precision):
-                        loss = loss_fn(model, x, y)
-                    (loss / grad_accum).backward()
-                loss_sum += loss.detach() / grad_accum
+            gpu_busy.start(measured=(step + 1) % cfg.log_interval == 0)   # the step that is logged, on a GPU
+            loss_sum = forward_backward(model, train_loader, grad_accum, device, cfg.precision)
+            grad_norm = distributed.clip_grad_norm(model, cfg.grad_clip)      # the global norm, on the device
             # One collective per step: the mean loss over ranks and the flags that any one rank may raise, so that
-            # every rank stops or saves at the same step (clocks and signals differ between processes).
+            # every rank stops or saves at the same step (clocks and signals differ between processes); then one
+            # read from the device, with the norm: the NaN guard below needs both before the optimizer steps.
             now = time.time()
             flags = [cfg.time_budget_s > 0 and now - t0 >= cfg.time_budget_s, stop.signal is not None,
                      cfg.ckpt_minutes > 0 and now - t_saved >= 60 * cfg.ckpt_minutes]
             stats = distributed.all_reduce(torch.cat([loss_sum[None], torch.tensor(flags, device=device).float()]))
-            mean_loss = stats[0].item() / ctx.world_size
-            out_of_time, signalled, save_due = (v > 0 for v in stats[1:].tolist())
-            grad_norm = distributed.clip_grad_norm(model, cfg.grad_clip).item()
+            loss_total, *raised, grad_norm = torch.cat([stats, grad_norm.float()[None]]).tolist()
+            mean_loss = loss_total / ctx.world_size
+            out_of_time, signalled, save_due = (v > 0 for v in raised)
             if math.isfinite(mean_loss) and math.isfinite(grad_norm):
                 optimizer.step()
                 bad_in_a_row = 0
@@ -249,6 +261,7 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
                 bad_in_a_row += 1
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
+            gpu_busy.stop()
             step += 1
             steps_since_log += 1
             losses.append(mean_loss)
@@ -269,10 +282,13 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
                 dt = time.time() - t_log
                 tok_per_s = steps_since_log * cfg.batch_size * cfg.seq_len / dt
                 mfu = tok_per_s * runlog.flops_per_token(model_cfg, cfg.seq_len) / (cfg.peak_flops * ctx.world_size)
+                ms = f"{1000 * dt / steps_since_log:.0f} ms/step" + ("" if gpu_busy.ms is None else
+                                                                     f" (GPU busy {gpu_busy.ms:.0f})")
                 log({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tok_per_s": tok_per_s,
-                     "mfu": mfu, "step_time_s": dt / steps_since_log, "peak_mem_gb": peak, "skipped_steps": skipped},
+                     "mfu": mfu, "step_time_s": dt / steps_since_log, "gpu_busy_s": gpu_busy.ms and gpu_busy.ms / 1e3,
+                     "peak_mem_gb": peak, "skipped_steps": skipped},
                     f"step {step:5d} | loss {mean_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                    f"{tok_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {1000 * dt / steps_since_log:.0f} ms/step | "
+                    f"{tok_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {ms} | "
                     f"peak mem {peak:.2f} GB" + (f" | {skipped} skipped" if skipped else ""))
                 t_log, steps_since_log = time.time(), 0
 
@@ -341,8 +357,9 @@ def _build(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
     raw = model.to(ctx.device)
     names = {id(p): n for n, p in raw.named_parameters()}
     group_spec = groups or param_groups(raw, cfg)
-    wrapped = distributed.parallelize(raw, cfg.parallel, ctx, compile=cfg.compile,
-                                      compile_backend=cfg.compile_backend, precision=cfg.precision,
+    wrapped = distributed.parallelize(raw, cfg.parallel, ctx, compile=cfg.compile, compile_backend=cfg.compile_backend,
+                                      compile_regions=cfg.compile_regions, compile_mode=cfg.compile_mode,
+                                      precision=cfg.precision,
                                       activation_checkpointing=cfg.activation_checkpointing)
     optimizer = torch.optim.AdamW(_rebind(group_spec, names, raw), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   fused=ctx.device.type == "cuda" and cfg.parallel == "ddp")
@@ -362,7 +379,7 @@ def _rebind(groups: list[dict], names: dict[int, str], model: nn.Module) -> list
 
 
 def main(argv: list[str]) -> dict:
-    model_cfg, train_cfg = load_config(argv)
+    model_cfg, train_cfg = command_line(argv, "train.py")
     return train(model_cfg, train_cfg)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 import eval as evaluation
-from infra import trained
+from infra import runlog, trained
 from infra.config import load_config
 from experiments.plan import Plan, Run, Section, memory_key, model_config, n_sources
 from experiments.plots import plot
@@ -225,15 +224,6 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
     return "\n".join(lines) + "\n"
 
 
-def machine() -> dict:
-    cpu = "unknown"
-    if os.path.isfile("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "torch": torch.__version__}
-
-
 def git(*args: str) -> str:
     return subprocess.run(["git", *args], capture_output=True, text=True,
                           cwd=ROOT).stdout.strip()
@@ -255,7 +245,7 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
                      f":!{os.path.relpath(os.path.abspath(out), ROOT)}"))
     meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": dirty,
-            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
+            "machine": runlog.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
             "model": f"L={layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
                      f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",
             "invocation_wall_s": invocation_s,

@@ -15,11 +15,13 @@ import difflib
 import math
 import os
 import runpy
+import sys
+import textwrap
 from dataclasses import dataclass, fields
 from typing import Callable, TypeVar
 
 from infra import cli
-from infra.distributed import PARALLEL, PRECISIONS
+from infra.distributed import COMPILE_MODES, COMPILE_REGIONS, PARALLEL, PRECISIONS
 from model import AT_LEAST_1, NON_NEGATIVE, ModelConfig, Rule, one_of
 
 C = TypeVar("C")
@@ -62,7 +64,9 @@ class TrainConfig:
     dist_timeout_s: float = 600.0   # under torchrun: a rank waiting this long for the others ends the run
     resume: bool = False            # continue from the newest intact checkpoint in out_dir
     parallel: str = "ddp"           # "ddp" (replicas) | "fsdp" (FSDP2, sharded checkpoints); one process: plain
-    compile: bool = False           # torch.compile each sublayer (distributed.compile_sublayers)
+    compile: bool = False           # torch.compile the model, in the regions compile_regions names
+    compile_regions: str = "sublayers"  # "sublayers" (each attention, MLP and norm) | "model" (the whole forward)
+    compile_mode: str = "default"   # | "reduce-overhead" (CUDA graphs: one process or DDP; docs/training.md)
     compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager" traces without generating code)
     precision: str = "auto"         # "auto" (bf16 on CUDA, fp32 on CPU) | "bf16" | "fp32" | "bf16-params" (the
                                     # whole model in bf16: the authors' code): distributed.py's rule
@@ -95,7 +99,8 @@ TRAIN_RANGES: dict[str, Rule] = {
     "ckpt_minutes": (NON_NEGATIVE[0], "finite numbers >= 0 (0: off)"),
     "time_budget_s": (NON_NEGATIVE[0], "finite numbers >= 0 (0: no budget)"),
     "device": one_of(("auto", "cpu", "cuda")), "parallel": one_of(PARALLEL), "precision": one_of(PRECISIONS),
-    "compile_backend": NAME, "weight_decay_on": one_of(WEIGHT_DECAY_ON),
+    "compile_backend": NAME, "compile_regions": one_of(COMPILE_REGIONS),
+    "compile_mode": one_of(COMPILE_MODES), "weight_decay_on": one_of(WEIGHT_DECAY_ON),
 }
 
 
@@ -113,13 +118,42 @@ def field_type(annotation: str) -> tuple[type, bool]:
     return TYPES.get(name, name), rest == "None"
 
 
+BOOL_WORDS = ("1", "true", "yes", "0", "false", "no")
+
+
+def command_line(argv: list[str], prog: str, classes: tuple = (ModelConfig, TrainConfig)) -> tuple:
+    """load_config for a script's command line: -h or --help prints the usage with every key and its default
+    (exit 0); no arguments at all print the usage (exit 2) rather than start a run of the defaults."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage(prog, classes, keys=True))
+        raise SystemExit(0)
+    if not argv:
+        print(usage(prog, classes, keys=False), file=sys.stderr)
+        raise SystemExit(2)
+    return load_config(argv, classes)
+
+
+def usage(prog: str, classes: tuple, keys: bool) -> str:
+    """The usage text: the arguments, where the configs are, and (keys) every key with its default."""
+    text = (f"usage: python {prog} CONFIG.py [--key=value ...]\n\n"
+            "CONFIG.py is a Python file of `key = value` lines (configs/ holds the project's; docs/training.md "
+            "says what they run);\n--key=value (or --key value) overrides one key after it. "
+            + ("The keys, with their defaults:" if keys else f"`python {prog} --help` lists the keys."))
+    if keys:
+        for cls in classes:
+            text += f"\n\n{cls.__name__}:\n" + textwrap.fill(
+                ", ".join(f"{f.name}={getattr(cls(), f.name)!r}" for f in fields(cls)), 118,
+                initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+    return text
+
+
 def _parse_value(key: str, text: str, typ: type, optional: bool):
     if optional and text == "None":
         return None
     if typ is bool:
-        if text.lower() in ("1", "true", "yes", ""):
+        if text.lower() in BOOL_WORDS[:3] + ("",):
             return True
-        if text.lower() in ("0", "false", "no"):
+        if text.lower() in BOOL_WORDS[3:]:
             return False
         raise ConfigError(f"--{key}={text}: expected a bool (true/false)")
     if typ is str:
@@ -156,12 +190,19 @@ def load_config(argv: list[str], classes: tuple = (ModelConfig, TrainConfig)) ->
         namespace = runpy.run_path(path)
         values.update({k: v for k, v in namespace.items()
                        if not k.startswith("_") and not callable(v) and not isinstance(v, type(os))})
-    for arg in args:
+    while args:
+        arg = args.pop(0)
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: use --key=value")
-        key, _, text = arg[2:].partition("=")
+            raise ConfigError(f"unexpected argument {arg!r}: write overrides as --key=value (the config file, if "
+                              "any, comes first)")
+        key, equals, text = arg[2:].partition("=")
         if key not in types:
             raise _unknown(key, types)
+        is_bool = types[key][0] is bool
+        if not equals and args and not args[0].startswith("--") and (not is_bool or args[0].lower() in BOOL_WORDS):
+            text = args.pop(0)            # --key value, as --key=value
+        elif not equals and not is_bool:
+            raise ConfigError(f"--{key} needs a value: write --{key}=VALUE")
         values[key] = _parse_value(key, text, *types[key])
     for key in values:
         if key not in types:

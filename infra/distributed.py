@@ -52,6 +52,8 @@ from model import Model
 
 PARALLEL = ("ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-params")
+COMPILE_REGIONS = ("sublayers", "model")     # what torch.compile takes as one region: compile_sublayers, compile_model
+COMPILE_MODES = ("default", "reduce-overhead")   # torch.compile's mode: "reduce-overhead" replays CUDA graphs
 T = TypeVar("T")
 
 
@@ -206,7 +208,7 @@ def checkpoint_activations(model: Model) -> None:
             m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
 
 
-def compile_sublayers(model: Model, backend: str | Callable = "inductor") -> None:
+def compile_sublayers(model: Model, backend: str | Callable = "inductor", mode: str = "default") -> None:
     """torch.compile the forward of every attention, MLP and norm module.
 
     Modules of one class share their compiled graph across layers, so the graph count does not grow with
@@ -221,7 +223,25 @@ def compile_sublayers(model: Model, backend: str | Callable = "inductor") -> Non
                               for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
                                         layer.mlp)]
     for m in modules:
-        m.forward = torch.compile(m.forward, backend=backend)
+        m.forward = torch.compile(m.forward, backend=backend, mode=_mode(backend, mode))
+
+
+def compile_model(model: Model, backend: str | Callable = "inductor", mode: str = "default") -> None:
+    """torch.compile the model's whole forward as one region: one call from the host per step forward and one
+    backward, where compile_sublayers makes 4 L + 1 calls each way with the routing run eagerly between them.
+
+    The reference routing path (kernel="torch", and every method on the CPU) traces whole: the number of sources
+    of each read is fixed by its place in the unrolled layer loop, so one graph holds the model at any depth (it
+    grows with depth, and so does its compile time). The kernel path's reads stay out of traced graphs
+    (depth_kernels/grouped_state.py), so there the region breaks at each read. The forward is replaced in place:
+    parameter names and checkpoint keys stay as they are.
+    """
+    model.forward = torch.compile(model.forward, backend=backend, mode=_mode(backend, mode))
+
+
+def _mode(backend: str | Callable, mode: str) -> str | None:
+    """torch.compile's mode argument: only inductor takes one."""
+    return None if mode == "default" or backend != "inductor" else mode
 
 
 def shard(model: Model, ctx: Context, precision: str = "auto") -> None:
@@ -254,24 +274,35 @@ def check_compile_backend(backend: str) -> None:
 
 
 def parallelize(model: Model, parallel: str, ctx: Context, *, activation_checkpointing: bool = False,
-                compile: bool = False, compile_backend: str = "inductor", precision: str = "auto") -> nn.Module:
-    """Cast to bf16 for precision="bf16-params", apply compilation, activation checkpointing (around the compiled
-    forwards), then DDP or FSDP2. Returns the module to call; its parameter names (and, except under FSDP,
-    objects: `.to` casts each parameter's data in place) are `model`'s."""
+                compile: bool = False, compile_backend: str = "inductor", compile_regions: str = "sublayers",
+                compile_mode: str = "default", precision: str = "auto") -> nn.Module:
+    """Cast to bf16 for precision="bf16-params", apply activation checkpointing and compilation (the sublayers,
+    or the whole forward with the checkpointed sublayers inside it), then DDP or FSDP2. Returns the module to
+    call; its parameter names (and, except under FSDP, objects: `.to` casts each parameter's data in place) are
+    `model`'s."""
     if parallel not in PARALLEL:
         raise cli.UsageError(f"parallel={parallel!r}: allowed values are {', '.join(PARALLEL)}")
+    if compile_regions not in COMPILE_REGIONS:
+        raise cli.UsageError(f"compile_regions={compile_regions!r}: allowed values are {', '.join(COMPILE_REGIONS)}")
+    if compile and compile_mode == "reduce-overhead" and parallel == "fsdp":
+        raise cli.UsageError("compile_mode='reduce-overhead' replays CUDA graphs, which need the parameters at fixed "
+                             "addresses; FSDP2 gathers them into new memory every step: use parallel='ddp'")
     if precision == "bf16-params":
         model.to(torch.bfloat16)
-    if compile:
+    if compile and compile_regions == "sublayers":
         check_compile_backend(compile_backend)
         # Under DDP dynamo would cut every compiled graph at DDP's gradient-bucket boundaries (optimize_ddp),
         # so that a bucket's all-reduce can start inside the graph's backward: an MLP's fp32 matrices fill
         # more than one bucket. Each graph here is one sublayer, whose backward already ends where the next
         # bucket can start, so the graphs stay whole: one per sublayer kind, as in one process.
         torch._dynamo.config.optimize_ddp = False
-        compile_sublayers(model, compile_backend)
-    if activation_checkpointing:
+        compile_sublayers(model, compile_backend, compile_mode)
+    if activation_checkpointing:          # around the compiled sublayers; inside a compiled model
         checkpoint_activations(model)
+    if compile and compile_regions == "model":
+        check_compile_backend(compile_backend)
+        torch._dynamo.config.optimize_ddp = True   # the one graph is cut at the buckets, so all-reduces overlap
+        compile_model(model, compile_backend, compile_mode)
     if parallel == "fsdp":
         shard(model, ctx, precision)
         return model

@@ -61,6 +61,8 @@ torch._dynamo.register_backend(graph_counter)
 PRECISE = dict(kernel="triton", model=dict(gate=True, null_source=True, learned_null=True), precision="bf16",
                seq_len=8, max_steps=3)
 COMPILED = dict(kernel="triton", compile=True, compile_backend="graph_counter", seq_len=8, max_steps=3, batch_size=4)
+# the whole forward as one compiled region, on the reference routing path, which traces whole
+WHOLE = dict(COMPILED, kernel="reference", compile_regions="model")
 
 
 def precision_dtypes(parallel: str, ctx: distributed.Context, precision: str = "bf16") -> dict[str, list[str]]:
@@ -156,6 +158,11 @@ def worker(out_dir: str) -> None:
         run(f"{parallel}_compiled", "delta_block", parallel=parallel, **COMPILED)
         results[f"{parallel}_compiled"]["graphs"] = list(GRAPHS)
     distributed.DistributedDataParallel = ddp
+    for parallel in ("ddp", "fsdp"):         # the whole forward as one region, cut by DDP at its buckets
+        torch._dynamo.reset()
+        GRAPHS.clear()
+        run(f"{parallel}_whole", "delta_block", parallel=parallel, **WHOLE)
+        results[f"{parallel}_whole"]["graphs"] = list(GRAPHS)
 
     # Rank 1's clock runs 10 s per reading: only it reaches the 30 s budget, yet both ranks must stop together
     # (a rank that went on alone would wait forever in the next collective).
@@ -235,6 +242,11 @@ def compiled(tmp_path_factory):
     eager = {**COMPILED, "compile": False}
     results["eager"] = train.train(*configs("delta_block", out / "eager", **eager))
     torch._dynamo.reset()
+    GRAPHS.clear()
+    results["whole"] = train.train(*configs("delta_block", out / "whole", **WHOLE))
+    results["whole"]["graphs"] = list(GRAPHS)
+    results["whole_eager"] = train.train(*configs("delta_block", out / "whole_eager", **{**WHOLE, "compile": False}))
+    torch._dynamo.reset()
     return results
 
 
@@ -294,6 +306,19 @@ def test_compiled_sublayers_stay_whole_under_ddp_and_fsdp(two_ranks, compiled):
     for parallel in ("ddp", "fsdp"):
         assert results[f"{parallel}_compiled"]["losses"] == pytest.approx(compiled["compiled"]["losses"], abs=1e-5,
                                                                           rel=0)
+
+
+def test_the_whole_forward_compiles_as_one_region_and_trains_as_eager(two_ranks, compiled):
+    """compile_regions="model": one process traces the routed model whole, one graph for training's forward
+    (and one for evaluation's, under no_grad), and trains as the eager reference; DDP (which may cut the graph
+    at its buckets) and FSDP2 train as one process does."""
+    results, _ = two_ranks
+    whole = compiled["whole"]
+    assert len(whole["graphs"]) == 2 and min(whole["graphs"]) > 100       # not a graph per sublayer
+    assert whole["losses"] == pytest.approx(compiled["whole_eager"]["losses"], abs=1e-6, rel=0)
+    assert whole["losses"][-1] < whole["losses"][0]
+    for parallel in ("ddp", "fsdp"):
+        assert results[f"{parallel}_whole"]["losses"] == pytest.approx(whole["losses"], abs=1e-5, rel=0), parallel
 
 
 def test_rank_windows_are_disjoint_and_make_the_global_batch(two_ranks, single):

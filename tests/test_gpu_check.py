@@ -99,12 +99,13 @@ def test_the_profilers_figures_per_kernel_and_per_step():
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from depth_kernels.tools import bench
+    from infra import runlog
     x = torch.randn(64, 64)
     events = bench.profiled(lambda: (x @ x, x @ x), 3, activities=[ProfilerActivity.CPU])
-    kinds = bench.device_time_by_name(events, DeviceType.CPU)
+    kinds = runlog.device_time_by_name(events, DeviceType.CPU)
     assert kinds["aten::mm"]["calls"] == 6 and kinds["aten::mm"]["ms"] > 0
     assert list(kinds) == sorted(kinds, key=lambda k: -kinds[k]["ms"])
-    assert bench.device_time_by_name(events) == {}          # no CUDA activity was profiled
+    assert runlog.device_time_by_name(events) == {}          # no CUDA activity was profiled
     profile = bench.step_profile([], 2, wall_ms_per_step=10.0)
     assert profile == {"steps": 2, "gpu_ms_per_step": 0.0, "wall_ms_per_step": 10.0, "gpu_idle_fraction": 1.0,
                        "top_kernels": {}}

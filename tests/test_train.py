@@ -240,6 +240,20 @@ def test_bf16_params_computes_in_bf16_throughout(kernel):
     assert all(p.grad.isfinite().all() for p in model.parameters())
 
 
+def test_compiled_regions_and_modes_are_checked_before_anything_is_compiled():
+    """An unknown region or mode names the allowed ones; CUDA graphs under FSDP2 (whose gathers move the
+    parameters every step) are refused with the alternative."""
+    ctx = distributed.Context(0, 1, torch.device("cpu"), owns_group=False)
+    model = Model(ModelConfig(**ROUTED))
+    with pytest.raises(cli.UsageError, match="compile_regions='layer': allowed values are sublayers, model"):
+        distributed.parallelize(model, "ddp", ctx, compile=True, compile_regions="layer")
+    with pytest.raises(cli.UsageError, match="FSDP2 gathers them into new memory every step: use parallel='ddp'"):
+        distributed.parallelize(model, "fsdp", ctx, compile=True, compile_mode="reduce-overhead")
+    with pytest.raises(ConfigError, match="compile_mode='max': allowed values are default, reduce-overhead"):
+        TrainConfig(compile_mode="max")
+    assert not hasattr(model.forward, "_torchdynamo_orig_callable")      # nothing compiled on the way
+
+
 def test_bf16_params_trains_and_saves_bf16_weights(tmp_path):
     result = run(tmp_path, "--max_steps=4", "--precision=bf16-params")
     assert all(math.isfinite(v) for v in result["losses"]) and result["losses"][-1] < result["losses"][0]
@@ -329,6 +343,31 @@ def test_nonsense_config_values_name_key_value_and_allowed_values(arg, allowed):
     shown = repr(value if key in strings else ast.literal_eval(value))  # as the config holds it
     with pytest.raises(ValueError, match=f"^{key}={re.escape(shown)}: allowed values are {allowed}"):
         load_config(["configs/tiny_delta_block.py", f"--{arg}"])
+
+
+@pytest.mark.parametrize("script", ["train.py", "finetune.py"])
+def test_help_lists_every_key_and_no_arguments_print_the_usage(script):
+    """--help (or -h) prints the usage and every key with its default, exit 0; no arguments print the usage and
+    exit 2 instead of starting a run of the defaults."""
+    helped = subprocess.run([sys.executable, script, "configs/tiny_delta_block.py", "-h"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: python {script} CONFIG.py [--key=value ...]")
+    assert "max_steps=1000" in helped.stdout and "residual='baseline'" in helped.stdout
+    assert ("init_from=''" in helped.stdout) == (script == "finetune.py")
+    bare = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and bare.stdout == "" and f"`python {script} --help` lists the keys" in bare.stderr
+
+
+def test_overrides_take_key_value_with_or_without_the_equals_sign():
+    spaced = load_config(["configs/tiny_delta_block.py", "--max_steps", "5", "--resume", "--compile", "false",
+                          "--lr", "1e-3", "--out_dir", "out/x"])
+    equals = load_config(["configs/tiny_delta_block.py", "--max_steps=5", "--resume", "--compile=false",
+                          "--lr=1e-3", "--out_dir=out/x"])
+    assert spaced == equals and spaced[1].max_steps == 5 and spaced[1].resume and not spaced[1].compile
+    with pytest.raises(ConfigError, match="^--max_steps needs a value: write --max_steps=VALUE$"):
+        load_config(["configs/tiny_delta_block.py", "--max_steps"])
+    with pytest.raises(ConfigError, match="^unexpected argument 'later': write overrides as --key=value"):
+        load_config(["configs/tiny_delta_block.py", "--resume", "later"])
 
 
 def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():

@@ -45,7 +45,7 @@ from depth_kernels.launch import Launch, observe_launches, skipped_launches, sou
 from depth_kernels.tools.traffic import ByteCounter
 from model import Model, ModelConfig
 from router import depth_route as reference
-from infra.runlog import flops_per_token
+from infra.runlog import device_time_by_name, flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 D, TOKENS = 1280, (4, 1024)
@@ -156,20 +156,6 @@ def bench_routing(nominal: float | None, copy: float, save: Callable[[list], Non
         del sources
         torch.cuda.empty_cache()
     return rows
-
-
-def device_time_by_name(events, device_type=None) -> dict[str, dict]:
-    """{name: {"calls", "ms"}} of the profiler events that ran on `device_type` (default: CUDA): on a GPU each
-    is one kernel's (or copy's) execution, timed by the device itself, so no host time (Triton's Python
-    launcher, the observers) is in it. Sorted by time, longest first."""
-    device_type = torch.autograd.DeviceType.CUDA if device_type is None else device_type
-    kinds: dict[str, dict] = {}
-    for event in events:
-        if event.device_type == device_type:
-            k = kinds.setdefault(event.name, {"calls": 0, "ms": 0.0})
-            k["calls"] += 1
-            k["ms"] += event.time_range.elapsed_us() / 1e3
-    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 def profiled(step: Callable[[], None], steps: int, activities=None):

@@ -15,6 +15,15 @@ launcher (binding the arguments and the driver call, some tens of microseconds p
 the count of launches per step is printed beside; and on a GPU, allocations and the address tables' copies are
 asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x
 1024 tokens, about 65 ms of H100 work, so 6.5 ms.
+
+    python -m depth_kernels.tools.host --step               # the whole optimizer step, per compiled region
+    python -m depth_kernels.tools.host --step --instructions # with callgrind's instruction counts beside
+
+`--step` measures what train.py's loop does per step (train.forward_backward, clipping, the optimizer, the loss
+and norm read back), built as train.py builds it (train._build), for each method under each choice of compiled
+regions (REGIONS: eager, compiled sublayers, the whole forward compiled: distributed.compile_model). Instruction
+counts (valgrind's callgrind, the steps alone: instrumentation is switched on around them) do not move with the
+machine's load, as CPU time does.
 """
 from __future__ import annotations
 
@@ -22,13 +31,20 @@ import argparse
 import ctypes
 import ctypes.util
 import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 from depth_kernels.launch import skipped_launches
+from infra import distributed, runlog
+from infra.config import TrainConfig
 from model import Model, ModelConfig
 
 SHAPE = dict(vocab_size=64, d_model=64, n_layers=36, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=8)
@@ -94,11 +110,133 @@ def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10, shape: dict =
                 "routing_seconds": statistics.median(a - b for a, b in zip(t, base))} for m, t in times.items()}
 
 
+# What torch.compile takes as one region, and the kernel setting that goes with it: the whole forward compiles as
+# one graph on the reference routing path (the kernel path's reads break a traced graph at each read).
+REGIONS = {"eager": dict(kernel="triton"),
+           "sublayers": dict(kernel="triton", compile=True, compile_regions="sublayers"),
+           "model": dict(kernel="reference", compile=True, compile_regions="model")}
+
+
+class Batches:
+    """The loader train.forward_backward reads: the same (x, y) every time."""
+
+    def __init__(self, vocab_size: int, tokens: tuple[int, int]):
+        self.x = torch.randint(0, vocab_size, tokens)
+        self.y = torch.roll(self.x, -1, dims=1)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x, self.y
+
+
+class TrainStep:
+    """One method's optimizer step as train.py takes it, at the meter's shape, with every launch skipped."""
+
+    def __init__(self, residual: str, regions: str, shape: dict = SHAPE, tokens: tuple[int, int] = (1, 16),
+                 backend: str = "inductor"):
+        keep_freed_memory()
+        settings = dict(REGIONS[regions])
+        model_cfg = ModelConfig(**shape, residual=residual, kernel=settings.pop("kernel"))
+        self.cfg = TrainConfig(device="cpu", batch_size=tokens[0], seq_len=tokens[1], compile_backend=backend,
+                               **settings)
+        ctx = distributed.Context(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
+        import train                       # the training script's own pieces, as its loop calls them
+        self.train = train
+        _, self.model, self.optimizer = train._build(model_cfg, self.cfg, ctx, None, None)
+        self.batches = Batches(shape["vocab_size"], tokens)
+        self.launches = 0
+
+    def step(self) -> float:
+        """Host seconds (CPU time) of one step: forward and backward, clipping, the optimizer, the figures read."""
+        with skipped_launches() as launches:
+            start = time.process_time()
+            loss = self.train.forward_backward(self.model, self.batches, 1, torch.device("cpu"), self.cfg.precision)
+            grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip)
+            loss.item(), grad_norm.item()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            seconds = time.process_time() - start
+        self.launches = len(launches)
+        return seconds
+
+
+def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] = tuple(REGIONS),
+                  repeats: int = 10, shape: dict = SHAPE, backend: str = "inductor") -> dict[str, dict]:
+    """{"method/regions": {"seconds": median host seconds of a whole step, "launches"}}; the steppers take turns,
+    a step each per round, so that a slow spell of a shared machine is spread over all of them."""
+    torch.set_num_threads(1)
+    steppers = {f"{m}/{r}": TrainStep(m, r, shape, backend=backend) for m in methods for r in regions}
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for round in range(repeats + 2):                                  # two warm-up rounds (the compiles)
+        for name, stepper in steppers.items():
+            seconds = stepper.step()
+            if round >= 2:
+                times[name].append(seconds)
+    return {name: {"seconds": statistics.median(t), "launches": steppers[name].launches} for name, t in times.items()}
+
+
+def instructions(method: str, regions: str, steps: int = 3, shape: dict = SHAPE) -> int:
+    """Instructions per whole step (callgrind), counted over `steps` steps after two warm-up steps, in a
+    process of its own run under valgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise RuntimeError("--instructions needs valgrind's callgrind (valgrind, callgrind_control) on the PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                        sys.executable, "-m", "depth_kernels.tools.host", "--counted", method, regions,
+                        "--steps", str(steps), "--shape", json.dumps(shape)],
+                       check=True, capture_output=True, text=True)
+        with open(out) as f:
+            total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
+    return total // steps
+
+
+def _counted(method: str, regions: str, steps: int, shape: dict) -> None:
+    """The child of instructions(): warm up, then `steps` steps with callgrind's instrumentation on."""
+    torch.set_num_threads(1)
+    stepper = TrainStep(method, regions, shape)
+    stepper.step(), stepper.step()
+    control = ["callgrind_control", "-i"]
+    subprocess.run(control + ["on", str(os.getpid())], check=True, capture_output=True)
+    for _ in range(steps):
+        stepper.step()
+    subprocess.run(control + ["off", str(os.getpid())], check=True, capture_output=True)
+
+
+def main_steps(args: argparse.Namespace) -> None:
+    """--step: the whole step per method and compiled regions, with --instructions callgrind's counts."""
+    results = measure_steps(repeats=args.repeats)
+    if args.instructions:
+        for name, r in results.items():
+            r["instructions"] = instructions(*name.split("/"))
+    print(f"host time per optimizer step as train.py takes it, {SHAPE['n_layers']} layers, {SHAPE['n_blocks']} "
+          f"blocks, launches skipped; regions: {', '.join(f'{k} {v}' for k, v in REGIONS.items())}")
+    print(f"{'method':<14}" + "".join(f"{r + ' ms':>16}" for r in REGIONS) + f"{'launches':>10}"
+          + ("".join(f"{r + ' Minstr':>18}" for r in REGIONS) if args.instructions else ""))
+    for method in METHODS:
+        rows = [results[f"{method}/{r}"] for r in REGIONS]
+        print(f"{method:<14}" + "".join(f"{1e3 * r['seconds']:>16.1f}" for r in rows) + f"{rows[0]['launches']:>10}"
+              + ("".join(f"{r['instructions'] / 1e6:>18.1f}" for r in rows) if args.instructions else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE, "regions": REGIONS, "machine": runlog.machine(), "results": results}, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--step", action="store_true", help="the whole optimizer step, per compiled region")
+    parser.add_argument("--instructions", action="store_true", help="with --step: callgrind's instruction counts")
+    parser.add_argument("--counted", nargs=2, metavar=("METHOD", "REGIONS"), help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", type=json.loads, default=SHAPE, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.counted:
+        return _counted(*args.counted, args.steps, args.shape)
+    if args.instructions and not args.step:
+        parser.error("--instructions counts the whole step: add --step")
+    if args.step:
+        return main_steps(args)
     results = measure(repeats=args.repeats)
     print(f"host time per training step, {SHAPE['n_layers']} layers, {SHAPE['n_blocks']} blocks, launches skipped "
           f"(budget for routing: {1e3 * BUDGET_S:.1f} ms)")
