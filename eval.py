@@ -147,7 +147,10 @@ def _perplexity(args: argparse.Namespace, model: Model, ckpt: dict, seq_len: int
 
 def _tasks(args: argparse.Namespace, model: Model, ckpt: dict, seq_len: int) -> dict:
     lm = HarnessLM(model, trained.run_tokenizer(ckpt, model), seq_len, args.batch_size)
-    tasks = run_tasks(lm, args.tasks.split(","), args.num_fewshot, args.limit)
+    with cli.downloading(f"the datasets of the tasks {args.tasks} (lm-eval fetches them from the Hugging Face hub "
+                         "once, then keeps them in its cache)", "run once with a network; perplexity needs none "
+                         "(eval.py without --tasks)"):
+        tasks = run_tasks(lm, args.tasks.split(","), args.num_fewshot, args.limit)
     print(f"{ckpt['path']}\n{tasks['table']}\naverage ({', '.join(tasks['accuracy'])}): {tasks['average']}")
     result = {k: v for k, v in tasks.items() if k != "table"}
     _save_results(ckpt["path"], "tasks", result)

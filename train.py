@@ -284,12 +284,13 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
                 mfu = tok_per_s * runlog.flops_per_token(model_cfg, cfg.seq_len) / (cfg.peak_flops * ctx.world_size)
                 ms = f"{1000 * dt / steps_since_log:.0f} ms/step" + ("" if gpu_busy.ms is None else
                                                                      f" (GPU busy {gpu_busy.ms:.0f})")
+                eta = runlog.duration((cfg.max_steps - step) * dt / steps_since_log)   # at this interval's pace
                 log({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tok_per_s": tok_per_s,
                      "mfu": mfu, "step_time_s": dt / steps_since_log, "gpu_busy_s": gpu_busy.ms and gpu_busy.ms / 1e3,
                      "peak_mem_gb": peak, "skipped_steps": skipped},
-                    f"step {step:5d} | loss {mean_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                    f"{tok_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {ms} | "
-                    f"peak mem {peak:.2f} GB" + (f" | {skipped} skipped" if skipped else ""))
+                    f"step {step:5d}/{cfg.max_steps} | loss {mean_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f}"
+                    f" | {tok_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {ms} | peak mem {peak:.2f} GB | ETA {eta}"
+                    + (f" | {skipped} skipped" if skipped else ""))
                 t_log, steps_since_log = time.time(), 0
 
             # ---- evaluate every eval_interval steps (the end has its own evaluation)

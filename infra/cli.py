@@ -23,9 +23,10 @@ on while it joins that thread, which waits for the GIL: the job would hang, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 
 class UserError(Exception):
@@ -51,6 +52,29 @@ class MissingPackageError(UserError, ModuleNotFoundError):
 class RankFailureError(UserError):
     """Under torchrun, another rank hung or died (train.RankTimeoutError, train.RankLostError): `run` ends the
     process without Python's shutdown (see the module doc)."""
+
+
+class NetworkError(UserError, ConnectionError):
+    """A download failed: no network, the hub unreachable, or offline mode without a local copy."""
+
+
+# Exceptions, by class name anywhere in their class's ancestry (so that no package has to be imported to name
+# them), that mean a download could not be made: requests', httpx's, huggingface_hub's and the builtins'.
+_NETWORK_FAILURES = {"ConnectionError", "ConnectError", "Timeout", "TimeoutError", "TimeoutException",
+                     "LocalEntryNotFoundError", "OfflineModeIsEnabled", "NameResolutionError"}
+
+
+@contextlib.contextmanager
+def downloading(what: str, offline: str) -> Iterator[None]:
+    """Around code that downloads `what`: a failure of the network becomes a NetworkError that names what could
+    not be fetched and `offline`, what to do without a network."""
+    try:
+        yield
+    except Exception as error:
+        if not {c.__name__ for c in type(error).__mro__} & _NETWORK_FAILURES:
+            raise
+        raise NetworkError(f"could not download {what} ({type(error).__name__}: no network, or the server is not "
+                           f"reachable); {offline}") from None
 
 
 def positive_int(text: str) -> int:

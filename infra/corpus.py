@@ -8,6 +8,7 @@ A config's `data` names a prepared folder, or "shakespeare", which `data_dir` pr
 preparation holds a lock on `data_dir/prepare.lock`, so processes that start at once prepare one after
 another, and the later ones find the work done.
 """
+import contextlib
 import glob
 import importlib.util
 import json
@@ -16,6 +17,7 @@ from itertools import islice
 from typing import Iterable, Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from infra import cli
 from infra import files
@@ -151,11 +153,15 @@ def prepare_fineweb(out_dir: str, tokenizer: str = "gpt2", tokenizer_path: str |
             raise cli.UsageError(f"{key}={value}: allowed values are integers >= 1")
     tok = get_tokenizer(tokenizer, tokenizer_path)
     from_hub = texts is None
+    fetching = lambda: cli.downloading(f"{dataset} ({name}) from the Hugging Face hub",  # noqa: E731
+                                       "without a network, train on the embedded corpus (data='shakespeare', "
+                                       "prepared by python data.py shakespeare)")
     if from_hub:
         import datasets
-        stream = datasets.load_dataset(dataset, name=name, split="train", streaming=True)
+        with fetching():
+            stream = datasets.load_dataset(dataset, name=name, split="train", streaming=True)
         texts = (row["text"] for row in stream)
-    with _preparing(out_dir):
+    with _preparing(out_dir), (fetching() if from_hub else contextlib.nullcontext()):   # streamed while written
         _clear_split_files(out_dir)
         counts = _write_splits(out_dir, tok, iter(texts), val_docs, shard_tokens, max_tokens)
         meta = {"tokenizer": tok.name, "tokenizer_path": tokenizer_path, "vocab_size": tok.vocab_size,
@@ -171,16 +177,23 @@ def _write_splits(out_dir: str, tok, docs: Iterator[str], val_docs: int, shard_t
     val = _ShardWriter(out_dir, "val", shard_tokens, tok)
     train = _ShardWriter(out_dir, "train", shard_tokens, tok)
     n_val_docs = n_train_docs = 0
+    # tokens written, their rate, and with max_tokens the time left (on a terminal; off when output is a file)
+    bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="tokenising", disable=None)
     for ids in _encoded(tok, islice(docs, val_docs)):  # one iterator: train continues after the val documents
         val.add(ids)
         n_val_docs += 1
+    bar.set_postfix_str(f"{n_val_docs} val documents")
     for ids in _encoded(tok, docs):
         if max_tokens is not None:
             ids = ids[:max_tokens - train.n_tokens]
         train.add(ids)
         n_train_docs += 1
+        bar.update(len(ids))
+        if n_train_docs % 1000 == 0:
+            bar.set_postfix_str(f"{n_train_docs:,} train documents, {train.n_shards} shards")
         if max_tokens is not None and train.n_tokens >= max_tokens:
             break
+    bar.close()
     val.flush()
     train.flush()
     return {"n_train_docs": n_train_docs, "n_val_docs": n_val_docs, "train_tokens": train.n_tokens,

@@ -24,6 +24,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_weights + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
+def duration(seconds: float) -> str:
+    """A time left as a person reads it: 45s, 12m05s, 3h07m."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9

@@ -87,13 +87,16 @@ def get_tokenizer(name: str, path: str | None = None, model_vocab_size: int | No
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
-        return TiktokenTokenizer("gpt2")
+        with cli.downloading("the gpt2 encoding (tiktoken fetches it once, then keeps it in its cache)",
+                             "run once with a network, or choose --tokenizer=byte"):
+            return TiktokenTokenizer("gpt2")
     from tokenizers import Tokenizer
     file = path or (name if name.endswith(".json") else None)
     if file is not None and not os.path.isfile(file):
         raise cli.NotFoundError(f"tokenizer file {file} not found")
     if name == "qwen3":
-        tok = Tokenizer.from_file(path) if path else Tokenizer.from_pretrained(QWEN3_REPO)
+        with cli.downloading(f"the qwen3 tokenizer ({QWEN3_REPO})", "give its tokenizer.json as --tokenizer_path"):
+            tok = Tokenizer.from_file(path) if path else Tokenizer.from_pretrained(QWEN3_REPO)
         return HFTokenizer(tok, "qwen3", max(QWEN3_VOCAB_SIZE, model_vocab_size or 0))
     if file is not None:
         return HFTokenizer(Tokenizer.from_file(file), file_identity(file) if name == file else name, model_vocab_size)

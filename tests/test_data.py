@@ -136,3 +136,24 @@ def test_fineweb_gpt2(tmp_path):
         pytest.skip(f"gpt2 encoding unavailable offline: {type(e).__name__}")
     meta = corpus.prepare_fineweb(str(tmp_path), tokenizer="gpt2", shard_tokens=50, val_docs=2, texts=TEXTS)
     assert meta["vocab_size"] == 50257 and shards.read_shard(str(tmp_path / "train_000000.bin")).dtype == np.uint16
+
+
+def test_a_download_that_fails_is_one_line_naming_what_and_the_offline_way(tmp_path, monkeypatch):
+    """The hub failing while the corpus streams (here after two documents: requests' ConnectionError, which is
+    no builtin ConnectionError) ends in cli.NetworkError, no traceback, and no meta.json for a half corpus;
+    an error that is not the network's passes through unchanged."""
+    import datasets
+    import requests
+    from infra import cli
+
+    def stream(*args, **kwargs):
+        yield from ({"text": t} for t in TEXTS[:2])
+        raise requests.exceptions.ConnectionError("Name or service not known")
+    monkeypatch.setattr(datasets, "load_dataset", stream)
+    with pytest.raises(cli.NetworkError, match=r"^could not download HuggingFaceFW/fineweb-edu \(sample-10BT\) .*"
+                                               r"\(ConnectionError: .*python data.py shakespeare\)$"):
+        corpus.prepare_fineweb(str(tmp_path), tokenizer="byte", val_docs=1)
+    assert not os.path.exists(tmp_path / "meta.json")
+    with pytest.raises(KeyError):
+        with cli.downloading("x", "y"):
+            raise KeyError("not the network's")

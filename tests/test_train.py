@@ -37,6 +37,17 @@ def run(tmp_path, *extra):
     return train.main(["configs/tiny_delta_block.py", *SMALL, f"--out_dir={tmp_path}", *extra])
 
 
+def test_the_log_line_counts_steps_of_the_run_and_gives_the_time_left(tmp_path, capsys):
+    run(tmp_path, "--max_steps=4", "--log_interval=2")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step     2/4", "step     4/4"]
+    assert lines[-1].endswith("| ETA 0s") and re.search(r"\| ETA \d+s$", lines[0])
+    entries = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert all(e["gpu_busy_s"] is None for e in entries if "tok_per_s" in e)      # measured on a GPU only
+    assert [runlog.duration(s) for s in (0.4, 59, 61, 3599, 3600 + 7 * 60 + 31)] == ["0s", "59s", "1m01s", "59m59s",
+                                                                                 "1h07m"]
+
+
 def test_config_file_and_overrides():
     model_cfg, cfg = load_config(["configs/tiny_delta_block.py", "--n_blocks=2", "--lr=1e-3",
                                         "--resume", "--block_source=paper"])
