@@ -45,6 +45,7 @@ class Logger:
 
     def __init__(self, cfg: TrainConfig, enabled: bool, config: dict):
         self.enabled, self.wandb = enabled, None
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len     # every entry also says the tokens trained on
         if not enabled:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -62,6 +63,7 @@ class Logger:
             return
         if line:
             print(line, flush=True)
+        entry = {"step": entry["step"], "tokens": entry["step"] * self.tokens_per_step, **entry}
         self.file.write(json.dumps(entry) + "\n")
         self.file.flush()
         if self.wandb is not None:

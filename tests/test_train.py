@@ -46,6 +46,12 @@ def test_the_log_line_counts_steps_of_the_run_and_gives_the_time_left(tmp_path, 
     assert all(e["gpu_busy_s"] is None for e in entries if "tok_per_s" in e)      # measured on a GPU only
     assert [runlog.duration(s) for s in (0.4, 59, 61, 3599, 3600 + 7 * 60 + 31)] == ["0s", "59s", "1m01s", "59m59s",
                                                                                  "1h07m"]
+    # the loss-curve command draws the log: training points at the log lines, validation at the end
+    from experiments import curves
+    drawn = curves.main([str(tmp_path), f"--out={tmp_path / 'plot' / 'c.png'}"])[os.path.normpath(str(tmp_path))]
+    tokens = 4 * 32                                                    # batch_size x seq_len of SMALL
+    assert drawn["train"] == [(e["step"], e["step"] * tokens, e["loss"]) for e in entries if "tok_per_s" in e]
+    assert [p[:2] for p in drawn["val"]] == [(4, 4 * tokens)] and (tmp_path / "plot" / "c.png").stat().st_size > 0
 
 
 def test_config_file_and_overrides():
