@@ -40,7 +40,8 @@ from infra import shards
 import train
 from infra import trained
 from infra.config import ConfigError, TrainConfig, check_ranges, command_line
-from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
+from infra.hf_export import save_hf
+from infra.hf_qwen3 import load_hf_qwen3
 from infra.tokenizer import get_tokenizer
 from model import NON_NEGATIVE, Model, ModelConfig
 from router import make_policy
@@ -289,14 +290,16 @@ def main(argv: list[str]) -> dict:
 
 
 def export(argv: list[str]) -> dict:
-    """python finetune.py export CKPT.pt OUT_DIR [--source=HF_FOLDER]: a baseline training checkpoint -> HF."""
+    """python finetune.py export CKPT OUT_DIR [--source=HF_FOLDER]: a training checkpoint as a Hugging Face folder
+    (infra/hf_export.py): the baseline as a plain Qwen3, a routed model with its modeling code (trust_remote_code)."""
     parser = argparse.ArgumentParser(prog="finetune.py export", description=export.__doc__)
     parser.add_argument("checkpoint")
     parser.add_argument("out_dir")
-    parser.add_argument("--source", default=None, help="the Qwen3 folder fine-tuned from (config, tokenizer)")
+    parser.add_argument("--source", default=None, help="a folder whose tokenizer files go with the model (the Qwen3 "
+                        "fine-tuned from)")
     args = parser.parse_args(argv)
     model, ckpt = trained.load_model(args.checkpoint)
-    save_hf_qwen3(model, args.out_dir, source=args.source)
+    save_hf(model, args.out_dir, source=args.source)
     print(f"wrote {args.out_dir}")
     return {"out_dir": args.out_dir, "step": ckpt.get("step")}
 

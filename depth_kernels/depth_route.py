@@ -106,7 +106,7 @@ def _check(table: SourceTable, query: Tensor, norm_weight: Tensor) -> None:
         raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
 
 
-PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what depth_kernels/tools/aot.py checks registers against
+PROGRAMS_PER_SM = {"_route_fwd": 2, "_route_bwd": 2}   # what meters/aot.py checks registers against
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
@@ -115,7 +115,7 @@ def _config(M: int, d: int, backward: bool = False) -> dict:
     two (depth_kernels.launch.row_split). On a GPU, rows per program and warps are chosen per width so that each
     thread holds 16 fp32 values of a tile (8 at d > 2048, where the row alone is that many), and the source
     loop keeps the next tiles in flight: two more in the forward, one in the backward, which holds more tiles
-    per source (checked: no spills at d = 768 .. 4096, depth_kernels/tools/aot.py).
+    per source (checked: no spills at d = 768 .. 4096, meters/aot.py).
     The interpreter runs programs one after another but each as whole numpy arrays: there, fewer and larger
     programs are faster."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above

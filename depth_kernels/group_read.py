@@ -165,7 +165,7 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (depth_kernels/tools/aot.py checks registers against it): phase 1 holds every
+# Programs per SM each kernel is built for (meters/aot.py checks registers against it): phase 1 holds every
 # receiver's running sum of a row (forward) or its folded query and du (backward), so one program per SM, whose
 # software pipeline keeps the next rows of sources in flight.
 PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
@@ -179,8 +179,8 @@ def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
     (8, 2048) fp32 each, half the registers of an SM, and with go held as well they would spill. More receivers
     than R_BLOCK read the sources again (forward) or in further launches. With one program per SM, the source
     loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in flight
-    (depth_kernels/tools/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
-    widths (checked by depth_kernels/tools/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
+    (meters/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
+    widths (checked by meters/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
     4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces). element_size: the
     bytes of the table's sources. A row is split (depth_kernels.launch.row_split) with a tail of at least two
     lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes; the

@@ -6,10 +6,10 @@
   one copy; the kernels say so with tl.multiple_of, which turns their source loads into 128-bit loads. Host
   work is O(N) per table (its dtype order), and a forward read's table serves its backward.
 - Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and writes:
-  built only when someone observes, from the caller's `io` function) to observers first: depth_kernels/tools/traffic.py
-  counts bytes with it, depth_kernels/tools/aot.py compiles exactly the specialisations the model launches, and
-  depth_kernels/tools/bench.py times the host path without launching; `skipped_launches` skips them unobserved
-  (depth_kernels/tools/host.py). It runs the kernel on the tensors' device.
+  built only when someone observes, from the caller's `io` function) to observers first: meters/traffic.py
+  counts bytes with it, meters/aot.py compiles exactly the specialisations the model launches, and
+  meters/bench.py times the host path without launching; `skipped_launches` skips them unobserved
+  (meters/host.py). It runs the kernel on the tensors' device.
 - `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
   should share an SM (each kernel module says, in PROGRAMS_PER_SM, and why).
 """
@@ -64,7 +64,7 @@ def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
 @contextmanager
 def skipped_launches() -> Iterator[list[str]]:
     """Skip every launch in the block, listing the kernels' names, without describing them to observers: the
-    host work of a GPU run less its launches (depth_kernels/tools/host.py measures it so)."""
+    host work of a GPU run less its launches (meters/host.py measures it so)."""
     names: list[str] = []
     _skipping.append(names)
     try:

@@ -192,7 +192,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (depth_kernels/tools/aot.py checks registers against it): the forward keeps
+# Programs per SM each kernel is built for (meters/aot.py checks registers against it): the forward keeps
 # two; the backward holds a row's r, x, dy, dr and h, so one, whose software pipeline keeps the next rows in flight.
 PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
 
@@ -218,7 +218,7 @@ def _receiver_config(M: int, d: int, backward: bool) -> dict:
 def _row_stages(d: int) -> int:
     """How deep a receiver backward's row loop is pipelined where nothing loops inside it: a row of its inputs is
     a few KB (3 to 20 at d = 768 to 1280), and 16 KB in flight per SM wants 4 rows at d > 1024, 6 below (8 would
-    read per-row scalars in more 32-bit pieces than depth_kernels/tools/aot.py allows)."""
+    read per-row scalars in more 32-bit pieces than meters/aot.py allows)."""
     return 4 if d > 1024 else 6
 
 

@@ -19,7 +19,7 @@ from infra.config import load_config
 from experiments.plan import Plan, Run, Section, memory_key, model_config, n_sources
 from experiments.plots import plot
 from experiments.runner import read_log
-from depth_kernels.tools.memory import saved_bytes
+from meters.memory import saved_bytes
 from model import Model, ModelConfig
 from infra.routing_analysis import routing_analysis
 
@@ -197,7 +197,7 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
              f"{meta['machine']['cpu']} ({meta['machine']['cores']} cores), torch {meta['machine']['torch']}, "
              f"{meta['date']}. Val PPL: byte-level perplexity on 16K held-out tokens (two plays never trained on). "
              f"tok/s: training throughput from log.jsonl, relative to the section's baseline. Saved activations: "
-             f"bytes autograd keeps for backward in one step (depth_kernels.tools.memory.saved_bytes, "
+             f"bytes autograd keeps for backward in one step (meters.memory.saved_bytes, "
              f"batch {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]}), relative to the baseline. Routing: eval.routing_analysis "
              f"on 32 held-out windows, "
              f"mean over receivers with 2+ sources of the per-token max weight and normalised entropy H(a)/log N, "

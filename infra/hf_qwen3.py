@@ -59,14 +59,21 @@ def _rope_theta(hf: dict) -> float:
     return thetas[0]
 
 
-def _check_supported(hf: dict) -> None:
-    """Fail on anything model.py would silently compute differently."""
+def _check_kind(hf: dict) -> None:
+    """A Qwen3 and nothing else (a routed model exported from here says how it loads)."""
     kind = hf.get("model_type")
     if kind == "qwen3_moe" or hf.get("num_experts") or hf.get("num_local_experts"):
         raise CheckpointError(f"unsupported config: mixture of experts (model_type={kind!r}); model.py has dense "
                               "MLPs only")
+    if kind == "delta_attnres":
+        raise CheckpointError("unsupported config: model_type='delta_attnres', expected 'qwen3': a routed model "
+                              "exported from here; transformers loads it with trust_remote_code=True")
     if kind != "qwen3":
         raise CheckpointError(f"unsupported config: model_type={kind!r}, expected 'qwen3'")
+
+
+def _check_supported(hf: dict) -> None:
+    """Fail on anything model.py would silently compute differently."""
     if hf.get("attention_bias"):
         raise CheckpointError("unsupported config: attention_bias=true; model.py's projections have no bias")
     if hf.get("hidden_act", "silu") != "silu":
@@ -86,6 +93,7 @@ def _check_supported(hf: dict) -> None:
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """Map a Qwen3 config.json (as a dict) onto ModelConfig; `overrides` set routing fields. An architecture
     field in `overrides` must agree with config.json (the weights fix it)."""
+    _check_kind(hf)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in hf:
             raise CheckpointError(f"config.json lacks {key!r}")
@@ -188,6 +196,21 @@ def save_hf_qwen3(model: Model, path: str, source: str | None = None, max_shard_
                "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
                **{hf_key: getattr(cfg, key) for key, hf_key in ARCH_KEYS.items()}})
     hf.setdefault("max_position_embeddings", QWEN3_MAX_POSITIONS)
+    write_weights(state, path, max_shard_bytes)
+    files.write_json(os.path.join(path, "config.json"), hf)
+    copy_tokenizer(source, path)
+
+
+def copy_tokenizer(source: str | None, path: str) -> None:
+    """The tokenizer files (and generation_config.json) of the folder `source`, if given, into `path`."""
+    for name in TOKENIZER_FILES if source is not None else ():
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+
+
+def write_weights(state: dict[str, torch.Tensor], path: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """state as model.safetensors, or as shards of at most max_shard_bytes (one tensor may exceed it) with
+    transformers' index, model.safetensors.index.json."""
     os.makedirs(path, exist_ok=True)
     shards: list[dict] = [{}]
     shard_bytes = total = 0
@@ -207,7 +230,3 @@ def save_hf_qwen3(model: Model, path: str, source: str | None = None, max_shard_
     if len(shards) > 1:
         files.write_json(os.path.join(path, "model.safetensors.index.json"),
                          {"metadata": {"total_size": total}, "weight_map": weight_map})
-    files.write_json(os.path.join(path, "config.json"), hf)
-    for name in TOKENIZER_FILES if source is not None else ():
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(path, name))

@@ -18,7 +18,7 @@ JSON (default results/gpu/<GPU name>.json) is rewritten atomically before and af
 or a kill keeps what ran: the GPU name and versions, then "phases": {name: {"status": "ok" | "failed" |
 "timed out" | "skipped" (with "reason") | "running" (when killed in it), "seconds", "cap_s", results...,
 "output_tail"}}, then "checks". The checks are regression checks: each routed config's tokens/s relative to
-the baseline >= what depth_kernels.tools.traffic predicts for this GPU - 0.05; flat memory (peak at step 20 <= 1.02 x
+the baseline >= what meters.traffic predicts for this GPU - 0.05; flat memory (peak at step 20 <= 1.02 x
 peak at step 5, allocated after step 20 within 1% of after step 5); the CUDA tests pass. The project's goals
 (0.97x and 0.85x tokens/s, 1.05x and 1.25x peak memory) are printed beside. Exit status 1 if a phase failed
 or timed out or a check FAILed; Ctrl-C or SIGTERM ends the running phase and writes the JSON first.
@@ -41,24 +41,24 @@ import time
 from scripts.gpu_multi import multi_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_CONFIGS = ("1044m_baseline", "1044m_delta_block", "1044m_delta")    # as depth_kernels/tools/bench.py
+MODEL_CONFIGS = ("1044m_baseline", "1044m_delta_block", "1044m_delta")    # as meters/bench.py
 CUDA_TESTS = ("tests/test_kernels.py", "tests/test_memory.py", "tests/test_whole_run.py")
 # The one phase table: (name, cap in seconds, what it records), in the order the phases run. The model phases'
 # 55 s: a cold start, the sublayers' compile and 20 + 3 steps took 23-27 s a config on an H200; the tests' 165 s:
 # the three files took 142 s there on 4 processes; kernel_bandwidth's one step per config, 10 s.
 PHASE_TABLE = (
     ("environment", 15, "GPU name and count, torch, Triton, CUDA and Python versions, the commit"),
-    *((f"model_{c}", 55, f"depth_kernels.tools.bench.bench_model('{c}'): tokens/s, peak and allocated memory at "
+    *((f"model_{c}", 55, f"meters.bench.bench_model('{c}'): tokens/s, peak and allocated memory at "
        "steps 5 and 20; then 3 steps under torch.profiler: GPU ms per step (the device's kernel time) beside the "
        "wall ms per step, and the fraction of the step the GPU waits") for c in MODEL_CONFIGS),
     ("tests", 165, f"pytest {' '.join(CUDA_TESTS)} on the real compiler: every test (no stop at a failure), each "
      "failure's name recorded as it happens"),
-    ("kernel_bandwidth", 45, "depth_kernels.tools.bench.kernel_bandwidth: each routing kernel of one 1044M training "
+    ("kernel_bandwidth", 45, "meters.bench.kernel_bandwidth: each routing kernel of one 1044M training "
      "step, its device time from the profiler (the kernel alone), bytes and bandwidth against a measured copy"),
-    ("traffic", 30, "depth_kernels.tools.traffic.measure() on CPU: the bytes per token routing adds to each 1044M "
+    ("traffic", 30, "meters.traffic.measure() on CPU: the bytes per token routing adds to each 1044M "
      "config and the tokens/s ratio it predicts on H100 and H200 (regime \"autocast\")"),
     ("host", 20, "CPU time per routed read before its launch, and per 1044M-depth step (tools.host)"),
-    ("routing", 30, "depth_kernels.tools.bench.bench_routing: routing time, bandwidth against a measured copy"),
+    ("routing", 30, "meters.bench.bench_routing: routing time, bandwidth against a measured copy"),
 )
 PHASES = {name: cap for name, cap, _ in PHASE_TABLE}                    # name -> cap (s)
 MULTI_GPU = {"multi_gpu_ddp": 300, "multi_gpu_fsdp": 300}
@@ -283,7 +283,7 @@ def checks(record: dict) -> list[dict]:
 
 def run_worker(args: argparse.Namespace) -> None:
     """One phase, in its own process: its figures go to args.result, rewritten as they come."""
-    from depth_kernels.tools import bench, host
+    from meters import bench, host
 
     def save(result: dict) -> None:
         write_json(args.result, result)

@@ -11,7 +11,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI_GPU_CONFIG = "configs/1044m_delta_block.py"
-MICRO_BATCH = 4                # sequences of 1024 tokens per GPU and step, as depth_kernels.tools.bench.TOKENS
+MICRO_BATCH = 4                # sequences of 1024 tokens per GPU and step, as meters.bench.TOKENS
 
 
 def random_shards(folder: str, vocab_size: int, windows: int, seq_len: int = 1024) -> str:

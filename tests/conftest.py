@@ -17,8 +17,19 @@ torch.set_num_threads(1)
 
 
 SLOWEST_FIRST = ("test_gpu_ready.py", "test_kernels.py", "test_distributed.py", "test_rehearsal.py")
+# What `pytest -m "not slow"` (the quick subset, README) leaves out, and why: the rest runs in a few minutes on 2 cores
+SLOW = {"test_gpu_ready.py": "the offline sm_90 compile of every kernel",
+        "test_kernels.py": "the kernels in Triton's interpreter",
+        "test_distributed.py": "two-rank torchrun jobs",
+        "test_rehearsal.py": "training through the interpreted kernels",
+        "test_whole_run.py": "whole models stepped through the interpreted kernels",
+        "test_memory.py": "the kernel path's memory, interpreted",
+        "test_every_module_imports_alone_in_a_fresh_interpreter": "a fresh interpreter per module"}
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FIRST)))   # stable: files stay whole
+    for item in items:
+        if item.path.name in SLOW or item.originalname in SLOW:
+            item.add_marker("slow")

@@ -98,7 +98,7 @@ def test_the_profilers_figures_per_kernel_and_per_step():
     step_profile divides by the steps and sets the GPU's time beside the wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
-    from depth_kernels.tools import bench
+    from meters import bench
     from infra import runlog
     x = torch.randn(64, 64)
     events = bench.profiled(lambda: (x @ x, x @ x), 3, activities=[ProfilerActivity.CPU])
@@ -212,7 +212,7 @@ def test_checks_hold_speed_to_the_prediction_and_memory_flat():
     assert [c["check"].split()[0] for c in checks] == ["CUDA", "1044m_delta_block", "1044m_delta", "1044m_baseline",
                                                        "1044m_delta_block", "1044m_delta"]
     assert [c["result"] for c in checks] == ["FAIL", "PASS", "FAIL", "PASS", "PASS", "FAIL"]
-    record["gpu"] = "NVIDIA A100-SXM4-80GB"   # depth_kernels.tools.traffic predicts nothing for it: not run, not PASS
+    record["gpu"] = "NVIDIA A100-SXM4-80GB"   # meters.traffic predicts nothing for it: not run, not PASS
     speed = [c for c in gpu_check.checks(record) if "tokens/s" in c["check"]]
     assert {c["result"] for c in speed} == {"not run"}
 

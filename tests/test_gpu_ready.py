@@ -1,9 +1,9 @@
 """The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU
-needed (depth_kernels/tools/aot.py): every specialisation the model launches at the paper's widths compiles, spills
+needed (meters/aot.py): every specialisation the model launches at the paper's widths compiles, spills
 nothing, fits its programs per SM, moves its tiles in 128-bit transfers, and keeps enough bytes in flight
 with few masked lanes (or a stated reason covers it). Five deliberately bad builds show that the rules can
 fail. From the machine code at d = 1280, the 1044M training kernels' predicted speed on an H200
-(depth_kernels/tools/speed.py): the model against the H200's measurements of the kernels it was calibrated on, and
+(meters/speed.py): the model against the H200's measurements of the kernels it was calibrated on, and
 the speed rule (aot.speed_problems: >= 60 % of the copy bandwidth, >= 2 programs per SM), which phase 1's backward
 as it was measured (one 8-warp program per SM, grid 128, 2.3 % of the copy bandwidth on the H200) breaks. The compiler runs in a fresh process: the other kernel tests put Triton in
 interpreter mode, which cannot compile."""
@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import asdict
 import triton.language as tl
-from depth_kernels.tools import aot, speed
+from meters import aot, speed
 from depth_kernels.launch import Launch
 
 every = aot.compile_all(jobs=os.cpu_count())
@@ -62,7 +62,7 @@ print(json.dumps({"results": results, "controls": controls, "speed": kernels, "c
 
 @pytest.fixture(scope="module")
 def compiled():
-    from depth_kernels.tools.aot import PTXAS
+    from meters.aot import PTXAS
     if not os.path.exists(PTXAS):
         pytest.skip(f"this Triton wheel has no ptxas ({PTXAS}): cannot compile for sm_90 here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

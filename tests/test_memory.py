@@ -1,6 +1,6 @@
-"""Saved-for-backward memory (depth_kernels/tools/memory.py): the kernel path meets its targets relative to the
+"""Saved-for-backward memory (meters/memory.py): the kernel path meets its targets relative to the
 baseline, and the counter sees what it must (stacked sources on the reference path, unique storages counted once).
-Peak memory of training steps (depth_kernels/tools/peak.py): live bytes stay flat from step to step, a leak shows, the
+Peak memory of training steps (meters/peak.py): live bytes stay flat from step to step, a leak shows, the
 tracker's counts are exact on a hand-checked case, and the 1044M shape's peaks meet the targets."""
 import os
 
@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from depth_kernels.tools.memory import SCALED_1044M, TARGETS, measure, saved_bytes  # noqa: E402
-from depth_kernels.tools.peak import (EmulatedAutocast, MemoryTracker, forward_backward, growth, project,  # noqa: E402
+from meters.memory import SCALED_1044M, TARGETS, measure, saved_bytes  # noqa: E402
+from meters.peak import (EmulatedAutocast, MemoryTracker, forward_backward, growth, project,  # noqa: E402
                                       train_step)
-from depth_kernels.tools.traffic import SHAPE_1044M, TOKENS_1044M  # noqa: E402
+from meters.traffic import SHAPE_1044M, TOKENS_1044M  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 from router import METHODS  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_saved_bytes_counts_unique_storages_without_parameters():
     assert 1.9 < two / one <= 2.0       # activations scale with the tokens
 
 
-# ------------------------------------------------------- peak memory of training steps (depth_kernels/tools/peak.py)
+# ------------------------------------------------------- peak memory of training steps (meters/peak.py)
 
 SMALL = dict(vocab_size=257, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=256, n_blocks=2)
 TOKENS = (2, 16)
@@ -160,7 +160,7 @@ def test_emulated_autocast_casts_like_cuda_autocast():
 
 
 def test_peak_relative_to_the_baseline_at_the_1044m_shape():
-    """The targets are for saved activations (depth_kernels/tools/memory.py, fp32 throughout) and do not bound the whole
+    """The targets are for saved activations (meters/memory.py, fp32 throughout) and do not bound the whole
     peak by themselves: here sublayer activations are bf16 while the routing's first group keeps fp32 state
     (which makes routing's share larger), and the routing's backward buffers (gradient accumulators, a group's
     go and D) may make a peak of their own; the parameters, gradients, bf16 weight copies and logits, the same

@@ -32,8 +32,12 @@ def module_name(path: str) -> str:
 
 
 # The importable modules: the top level and the packages (configs are run as files, tests by pytest).
+# (infra/hf_remote/ is the modeling code an exported model carries: it imports model.py and router.py relatively,
+# as the exported folder holds them, so it is no module of the repository)
 MODULES = {module_name(p): p for p in python_files()
-           if os.sep not in p or p.startswith(("infra" + os.sep, "depth_kernels" + os.sep, "experiments" + os.sep))}
+           if (os.sep not in p or p.startswith(tuple(f + os.sep for f in ("infra", "depth_kernels", "experiments",
+                                                                          "meters"))))
+           and not p.startswith(os.path.join("infra", "hf_remote"))}
 
 
 def parse(path: str) -> ast.Module:
@@ -151,7 +155,7 @@ FAST_PATH = {"depth_kernels/" + name for name in ("__init__.py", "launch.py", "t
 
 def test_the_top_level_holds_the_method_and_the_commands_only():
     assert {p for p in python_files() if os.sep not in p} == TOP_LEVEL
-    assert {p for p in python_files() if p.startswith("depth_kernels" + os.sep) and p.count(os.sep) == 1} == FAST_PATH
+    assert {p for p in python_files() if p.startswith("depth_kernels" + os.sep)} == FAST_PATH   # no meters inside
 
 
 def test_no_top_level_name_is_taken_by_an_installed_package():
@@ -165,16 +169,20 @@ def test_no_top_level_name_is_taken_by_an_installed_package():
 
 
 def test_no_package_imports_a_command_and_the_fast_path_imports_no_plumbing():
-    """infra/ and depth_kernels/ never import a top-level command (a package imports nothing above it but the method:
-    router, model); the fast path (depth_kernels/ without tools/) imports only itself and router. (experiments/ and
-    scripts/ run the commands: they may.)"""
+    """The imports run one way: the method (router, model) and the fast path (depth_kernels/) import neither the
+    plumbing (infra/), the meters (meters/) nor a top-level command; infra/ imports no command nor meter; the
+    fast path imports only itself and router. (experiments/, scripts/ and meters/ run the commands and measure
+    everything below: they may import anything.)"""
     upward, plumbing = [], []
     for path in python_files():
-        if not path.startswith(("infra" + os.sep, "depth_kernels" + os.sep)):
+        method = path in ("model.py", "router.py") or path in FAST_PATH
+        if not (method or path.startswith("infra" + os.sep)):
             continue
         for node in ast.walk(parse(path)):
             names = set(imported_modules(node))
-            upward += [f"{path}: {n}" for n in names & COMMANDS]
+            upward += [f"{path}: {n}" for n in names if n in COMMANDS or n.split(".")[0] == "meters"]
+            if method:
+                plumbing += [f"{path}: {n}" for n in names if n.split(".")[0] == "infra"]
             if path in FAST_PATH:
                 plumbing += [f"{path}: {n}" for n in names if not n.startswith("depth_kernels") and n != "router"]
     assert not upward and not plumbing

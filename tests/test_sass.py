@@ -1,10 +1,10 @@
-"""The machine-code reader (depth_kernels/tools/sass.py), the speed model over it (depth_kernels/tools/occupancy.py)
-and the speed rule (depth_kernels/tools/aot.speed_problems) on cases a hand count checks: a made-up SASS listing
+"""The machine-code reader (meters/sass.py), the speed model over it (meters/occupancy.py)
+and the speed rule (meters/aot.speed_problems) on cases a hand count checks: a made-up SASS listing
 of two nested loops, whose `for` statements are lines of a Python file written here."""
 import pytest
 
-from depth_kernels.tools import aot, sass
-from depth_kernels.tools.occupancy import (CLOCK_HZ, COPY_BANDWIDTH, LATENCY_S, SCHEDULERS, SMS, Pass,
+from meters import aot, sass
+from meters.occupancy import (CLOCK_HZ, COPY_BANDWIDTH, LATENCY_S, SCHEDULERS, SMS, Pass,
                                            launch_seconds, programs_resident)
 
 KERNEL = '''def kernel(n, tiles, lo, hi):

@@ -1,4 +1,4 @@
-"""The traffic meter (depth_kernels/tools/traffic.py) counts what a hand count gives on tiny cases: torch ops read their
+"""The traffic meter (meters/traffic.py) counts what a hand count gives on tiny cases: torch ops read their
 arguments and write their outputs (views and allocations move nothing, a broadcast counts once), kernel
 launches move the tensors they describe, and the meter's routing bytes are a step's minus the baseline's; the
 lower bound (bound.py), the occupancy model (occupancy.py) and the host-time meter (host.py) on cases a hand
@@ -11,10 +11,10 @@ import torch
 from depth_kernels.depth_route import depth_route
 from depth_kernels.grouped_state import GroupedDepthState
 from depth_kernels.launch import SourceTable, observe_launches, skipped_launches
-from depth_kernels.tools import host
-from depth_kernels.tools.bound import lower_bound
-from depth_kernels.tools.occupancy import Occupancy, occupancy
-from depth_kernels.tools.traffic import (METHODS, SHAPE_1044M, ByteCounter, compiled_ratio, count_step, dry_step,
+from meters import host
+from meters.bound import lower_bound
+from meters.occupancy import Occupancy, occupancy
+from meters.traffic import (METHODS, SHAPE_1044M, ByteCounter, compiled_ratio, count_step, dry_step,
                                          measure, predicted_ratio)
 from model import Model, ModelConfig
 

@@ -1,7 +1,7 @@
 """Host time of the model's routing path per training step: the Python and autograd work a GPU would wait on.
 
-    python -m depth_kernels.tools.host                    # 36 layers (the 1044M depth), 8 blocks, every method
-    python -m depth_kernels.tools.host --json out.json
+    python -m meters.host                    # 36 layers (the 1044M depth), 8 blocks, every method
+    python -m meters.host --json out.json
 
 A training step (forward, loss, backward) of the real model at the 1044M depth, with tiny tensors (d = 64, 1 x 16
 tokens: the tensor work is negligible) and every Triton launch skipped (depth_kernels.launch.skipped_launches), runs on
@@ -16,8 +16,8 @@ the count of launches per step is printed beside; and on a GPU, allocations and 
 asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x
 1024 tokens, about 65 ms of H100 work, so 6.5 ms.
 
-    python -m depth_kernels.tools.host --step               # the whole optimizer step, per compiled region
-    python -m depth_kernels.tools.host --step --instructions # with callgrind's instruction counts beside
+    python -m meters.host --step               # the whole optimizer step, per compiled region
+    python -m meters.host --step --instructions # with callgrind's instruction counts beside
 
 `--step` measures what train.py's loop does per step (train.forward_backward, clipping, the optimizer, the loss
 and norm read back), built as train.py builds it (train._build), for each method under each choice of compiled
@@ -182,7 +182,7 @@ def instructions(method: str, regions: str, steps: int = 3, shape: dict = SHAPE)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                        sys.executable, "-m", "depth_kernels.tools.host", "--counted", method, regions,
+                        sys.executable, "-m", "meters.host", "--counted", method, regions,
                         "--steps", str(steps), "--shape", json.dumps(shape)],
                        check=True, capture_output=True, text=True)
         with open(out) as f:

@@ -5,7 +5,7 @@ A kernel streams at bandwidth only if the SMs keep enough loads in flight (Littl
 x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB per SM). Per kernel launch:
 
 - programs per SM: the kernel module's PROGRAMS_PER_SM (its register budget is built for it, and
-  depth_kernels/tools/aot.py checks the compiled registers allow it), fewer when the grid has fewer programs;
+  meters/aot.py checks the compiled registers allow it), fewer when the grid has fewer programs;
 - rows in flight per program: the rows of one tile (BLOCK_M; the phase-1 kernels read one token row per
   program);
 - bytes in flight per SM: programs x rows x what a row keeps loading at once: one row of every per-row input
@@ -17,7 +17,7 @@ x latency; on an H100 3.35 TB/s x ~600 ns is about 2 MB over 132 SMs, some 16 KB
   (depth_kernels.launch.row_split), of which 1 - d / lanes do nothing.
 
 Bytes in flight bound a launch's memory time in the speed model below (Little's law), which times a launch from its
-compiled code (depth_kernels/tools/speed.py applies it; depth_kernels/tools/traffic.py's predicted step uses it).
+compiled code (meters/speed.py applies it; meters/traffic.py's predicted step uses it).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
 
 
 # ------------------------------------------------------------------------- the compiled code's speed (sm_90)
-# The time a launch takes, from what its compiled loops do per iteration (depth_kernels/tools/sass.py reads them) and
+# The time a launch takes, from what its compiled loops do per iteration (meters/sass.py reads them) and
 # how many iterations each program walks. One pass of the P programs resident on an SM over a region of the code
 # (a loop body, or the code outside loops) takes the larger of
 #   issue:   instructions x warps x P / SCHEDULERS cycles (each scheduler issues one warp instruction a cycle);
@@ -89,7 +89,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
 #            ahead of that chain; only other programs (P > 1) fill the waits, which the issue term then counts.
 # A program's time is the sum over regions of its passes x that, and the busiest SM runs ceil(grid / SMS) programs,
 # P at a time. The launch takes the larger of that and its memory time: the bytes it moves from and to DRAM
-# (depth_kernels/tools/traffic.py counts them) at the copy bandwidth of the SMs it occupies, or at what its bytes in
+# (meters/traffic.py counts them) at the copy bandwidth of the SMs it occupies, or at what its bytes in
 # flight sustain (Little's law: in flight / LATENCY_S per SM). Its predicted share of the copy bandwidth is its
 # bytes / its time / COPY_BANDWIDTH.
 SMS = 132                  # H200 SXM (Nsight Compute: "# SMs"); the H100 SXM has as many

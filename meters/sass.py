@@ -1,9 +1,9 @@
 """Read a compiled routing kernel's sm_90 machine code (SASS): its loops, what one pass of each does, and how many
-passes a launch makes (depth_kernels/tools/speed.py times the 1044M training kernels with it).
+passes a launch makes (meters/speed.py times the 1044M training kernels with it).
 
 A kernel's speed is set by what its innermost loops do per iteration, which the PTX does not show (the cross-warp
 reductions, their barriers and shared-memory traffic appear only after ptxas). The Triton wheel ships NVIDIA's
-disassembler (nvdisasm), which reads the cubin that depth_kernels/tools/aot.py compiles; with line info (-g) every
+disassembler (nvdisasm), which reads the cubin that meters/aot.py compiles; with line info (-g) every
 instruction names the Python line it came from. So:
 
 - a loop is a backward branch (BRA to an earlier address); its body is the code between the target and the branch,
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import triton
 
-PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # depth_kernels/
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "depth_kernels")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 NVDISASM = os.path.join(BIN, "nvdisasm")
 CUOBJDUMP = os.path.join(BIN, "cuobjdump")
@@ -280,15 +280,15 @@ def chain_cycles(region: Region, latency: dict[str, int], crowd: int = 1, pipe: 
 
 def latency_cycles(region: Region, crowd: int = 1) -> int:
     """One warp's chain over a region (chain_cycles) with occupancy.LATENCY_CYCLES."""
-    from depth_kernels.tools.occupancy import LATENCY_CYCLES, SHARED_PIPE_CYCLES
+    from meters.occupancy import LATENCY_CYCLES, SHARED_PIPE_CYCLES
     return chain_cycles(region, LATENCY_CYCLES, crowd, SHARED_PIPE_CYCLES)
 
 
 def read(cubin: bytes, num_warps: int, shared: int) -> dict:
-    """What depth_kernels/tools/aot.py keeps of a kernel's SASS (JSON-able): {"registers", "resident" (programs an
+    """What meters/aot.py keeps of a kernel's SASS (JSON-able): {"registers", "resident" (programs an
     SM holds), "regions": [{"loop", "enclosing", "instructions", "classes", "bytes", "chain": {P: one warp's
     chain cycles with P programs resident}}]}."""
-    from depth_kernels.tools.occupancy import programs_resident
+    from meters.occupancy import programs_resident
     registers = resources(cubin)["registers"]
     resident = programs_resident(registers, shared, num_warps)
     return {"registers": registers, "resident": resident, "regions": [
@@ -300,7 +300,7 @@ def read(cubin: bytes, num_warps: int, shared: int) -> dict:
 
 def launch_passes(code: dict, args: dict, kernel_path: str, programs: int) -> list:
     """occupancy.Pass per region of a kernel read() for a launch with arguments `args`, `programs` per SM."""
-    from depth_kernels.tools.occupancy import Pass
+    from meters.occupancy import Pass
     out = []
     for r in code["regions"]:
         region = Region(tuple(r["loop"]) if r["loop"] else None, [tuple(e) for e in r["enclosing"]],

@@ -1,16 +1,16 @@
 """The 1044M training kernels' predicted speed on an H200, from their compiled sm_90 code, and its calibration.
 
-    python -m depth_kernels.tools.speed             # per kernel: grid, programs per SM, iterations, per-iteration
+    python -m meters.speed             # per kernel: grid, programs per SM, iterations, per-iteration
                                                     # instructions and barriers, predicted time and share of the copy
                                                     # bandwidth; then predicted against measured (H200)
-    python -m depth_kernels.tools.speed --jobs 1    # compile in one process (default: one per CPU)
-    python -m depth_kernels.tools.speed --traffic [--blocks 4] [--json out.json]   # depth_kernels.tools.traffic's
+    python -m meters.speed --jobs 1    # compile in one process (default: one per CPU)
+    python -m meters.speed --traffic [--blocks 4] [--json out.json]   # meters.traffic's
                                                     # report with its "compiled" ratio: every launch timed so
 
 Every launch of one training step of configs/1044m_delta.py and configs/1044m_delta_block.py (4 x 1024 tokens, bf16
-autocast, as the configs run) is found on the meta device (depth_kernels.tools.traffic.dry_step), with the bytes it
-moves; its specialisation is compiled for sm_90 (depth_kernels/tools/aot.py, whose compile at d = 1280 reads the
-machine code: depth_kernels/tools/sass.py) and timed by depth_kernels/tools/occupancy.py's model. The calibration
+autocast, as the configs run) is found on the meta device (meters.traffic.dry_step), with the bytes it
+moves; its specialisation is compiled for sm_90 (meters/aot.py, whose compile at d = 1280 reads the
+machine code: meters/sass.py) and timed by meters/occupancy.py's model. The calibration
 compares the predictions with one H200's measurements of the kernels of commit ae83ce1
 (results/gpu/h200_ae83ce1/kernels.json): the profiler's per-call mean where it gives one, else Nsight Compute's one
 launch, predicted for that launch (the CUDA-event means of that file include Triton's host-side launch, 2-3x the
@@ -32,11 +32,11 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Iterator
 
 from depth_kernels.launch import Launch
-from depth_kernels.tools import aot, sass, traffic
-from depth_kernels.tools.occupancy import COPY_BANDWIDTH, SMS, launch_seconds, occupancy
-from depth_kernels.tools.traffic import ByteCounter, dry_step
+from meters import aot, sass, traffic
+from meters.occupancy import COPY_BANDWIDTH, SMS, launch_seconds, occupancy
+from meters.traffic import ByteCounter, dry_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("1044m_delta", "1044m_delta_block")
 TOKENS = (4, 1024)
 MEASURED = os.path.join(ROOT, "results", "gpu", "h200_ae83ce1", "kernels.json")
@@ -46,7 +46,7 @@ TOLERANCE = 1.5             # the calibration's bound on predicted / measured, e
 
 def training_launches(config: str) -> list[tuple[Launch, int]]:
     """(launch, bytes it moves) for every kernel launch of one training step of configs/<config>.py at TOKENS."""
-    from depth_kernels.tools.bench import model_config
+    from meters.bench import model_config
     cfg = dataclasses.replace(model_config(config)[0], kernel="triton")
     counter = ByteCounter()
     dry_step(cfg, TOKENS, counter)
@@ -147,7 +147,7 @@ def predict(config: str, compiled: dict[str, aot.Compiled]) -> list[dict]:
 
 
 class Timer:
-    """launch, bytes -> predicted seconds from the compiled code (depth_kernels/tools/traffic.py's kernel time),
+    """launch, bytes -> predicted seconds from the compiled code (meters/traffic.py's kernel time),
     compiling each specialisation once."""
 
     def __init__(self, compiled: dict[str, aot.Compiled] | None = None):
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiler processes (default: one per CPU)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--traffic", action="store_true",
-                        help="run depth_kernels.tools.traffic (the other options are its) with every launch timed")
+                        help="run meters.traffic (the other options are its) with every launch timed")
     args, rest = parser.parse_known_args()
     if args.traffic:
         traffic.main(rest + (["--json", args.json] if args.json else []), Timer())

@@ -1,12 +1,12 @@
 """Compile the depth-routing kernels for an H100/H200 (sm_90) on any machine, and read what the compiler made.
 
-    python -m depth_kernels.tools.aot                   # every specialisation the model launches at d = 768 ... 4096
-    python -m depth_kernels.tools.aot --json out.json   # also save the table
-    python -m depth_kernels.tools.aot --jobs 1          # in one process (default: one per CPU)
+    python -m meters.aot                   # every specialisation the model launches at d = 768 ... 4096
+    python -m meters.aot --json out.json   # also save the table
+    python -m meters.aot --jobs 1          # in one process (default: one per CPU)
 
 The pinned Triton wheel compiles for sm_90 without a GPU and ships NVIDIA's assembler (ptxas). The specialisations
 compiled are exactly those a GPU run launches: the model runs one training step on the meta device
-(depth_kernels.tools.traffic.dry_step) for every method and routing option (and depth_kernels.depth_route.depth_route,
+(meters.traffic.dry_step) for every method and routing option (and depth_kernels.depth_route.depth_route,
 the public read, runs forward and backward), and each launch's arguments are bound as Triton's launcher binds them on a
 GPU (integers equal to 1 or divisible by 16, 16-byte aligned pointers: the launchers guarantee the alignment). For each
 specialisation it reports registers per thread and spill bytes (`ptxas -v`), shared memory, and the width of every
@@ -14,8 +14,8 @@ global load and store in the PTX: a source read at bandwidth is moved in 128-bit
 `st.global.v4.b32`, or a 16-byte `cp.async` of the software pipeline), never element by element
 (`ld.global.b16` is 2 bytes).
 
-At d = SASS_WIDTH (1044M's) each specialisation's machine code is read as well (depth_kernels/tools/sass.py: loops,
-instructions, barriers and shared-memory accesses per iteration), which depth_kernels/tools/speed.py times.
+At d = SASS_WIDTH (1044M's) each specialisation's machine code is read as well (meters/sass.py: loops,
+instructions, barriers and shared-memory accesses per iteration), which meters/speed.py times.
 
 `check` holds the rules the GPU-readiness test (tests/test_gpu_ready.py) enforces; `speed_problems` the speed rule
 over the 1044M training kernels.
@@ -42,9 +42,9 @@ from triton.runtime.jit import create_function_from_signature
 
 from depth_kernels import depth_route, group_read, receiver_read
 from depth_kernels.launch import Launch, observe_launches, register_budget
-from depth_kernels.tools import sass
-from depth_kernels.tools.occupancy import Occupancy, occupancy
-from depth_kernels.tools.traffic import REGIMES, ByteCounter, dry_step
+from meters import sass
+from meters.occupancy import Occupancy, occupancy
+from meters.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
 TARGET = GPUTarget("cuda", 90, 32)          # H100 / H200, 32 threads per warp
@@ -71,7 +71,7 @@ class Compiled:
     spill_bytes: int
     shared_bytes: int
     accesses: dict          # {bits: count} of global loads, stores and cp.async copies in the PTX
-    occupancy: dict         # depth_kernels/tools/occupancy.py's figures for a full grid, programs per SM by registers
+    occupancy: dict         # meters/occupancy.py's figures for a full grid, programs per SM by registers
     code: dict | None = None  # at d = SASS_WIDTH: sass.read()'s loops and per-iteration counts of the cubin
 
 
@@ -250,7 +250,7 @@ SPEED_REASONS: dict[str, str] = {}
 
 def speed_problems(kernels: dict[str, dict[str, dict]]) -> list[str]:
     """What keeps the 1044M training kernels from streaming, from their compiled code: {config: {kernel: figures}}
-    as depth_kernels.tools.speed.by_kernel gives them -> one line per kernel predicted under MIN_OF_COPY of the copy
+    as meters.speed.by_kernel gives them -> one line per kernel predicted under MIN_OF_COPY of the copy
     bandwidth or run with fewer than MIN_PROGRAMS programs per SM, unless SPEED_REASONS covers the kernel."""
     problems = []
     for config, found in kernels.items():

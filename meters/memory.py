@@ -1,6 +1,6 @@
 """Saved-for-backward memory of one training step, per method, relative to the baseline. Deterministic, CPU.
 
-    TRITON_INTERPRET=1 python -m depth_kernels.tools.memory            (the kernel path needs the interpreter on CPU)
+    TRITON_INTERPRET=1 python -m meters.memory            (the kernel path needs the interpreter on CPU)
 
 Activation memory is what autograd keeps between forward and backward. We count it exactly: every tensor
 saved for backward passes through torch.autograd.graph.saved_tensors_hooks; we add up the bytes of the unique
@@ -9,7 +9,7 @@ the parameters (every method keeps those anyway). The model has the 1044M config
 (36 layers, 8 blocks, d_ff = 4 d, 5 query heads per KV head) with a small width, vocabulary and sequence, so
 the kernel path runs under the interpreter in about a minute. The baseline is the plain model.
 
-depth_kernels/tools/peak.py projects the whole peak of training steps (parameters, gradients, AdamW states, activations
+meters/peak.py projects the whole peak of training steps (parameters, gradients, AdamW states, activations
 and temporaries) at the 1044M shape itself, on the meta device.
 """
 from __future__ import annotations

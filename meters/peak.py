@@ -1,7 +1,7 @@
 """Peak memory of a training step on one GPU at the 1044M shape, per method, projected on the meta device.
 
-    python -m depth_kernels.tools.peak                          # 1044M, 4 and 8 blocks, 4 steps of 4 x 1024 tokens
-    python -m depth_kernels.tools.peak --steps 6 --json out.json
+    python -m meters.peak                          # 1044M, 4 and 8 blocks, 4 steps of 4 x 1024 tokens
+    python -m meters.peak --steps 6 --json out.json
 
 It runs train.py's step (one micro-batch of 4 x 1024 tokens: the paper's 32 sequences on 8 GPUs) a few times
 on the meta device, where tensors have shapes and dtypes but no data: `model.Model` and AdamW are built
@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from depth_kernels.launch import skipped_launches
-from depth_kernels.tools.traffic import SHAPE_1044M, TOKENS_1044M
+from meters.traffic import SHAPE_1044M, TOKENS_1044M
 from model import Model, ModelConfig, RMSNorm
 from router import METHODS
 

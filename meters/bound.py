@@ -1,10 +1,10 @@
 """The fewest bytes per token a training step must move for depth routing, per method: a lower bound beside what
-depth_kernels/tools/traffic.py counts today.
+meters/traffic.py counts today.
 
 Counted against the baseline with a fused pre-norm (the paper configs compile the norms): every receiver's read
 is fused into its sublayer's pre-norm, which reads the stream h~ and writes the norm's output forward, and reads
 them and dy and writes dx backward, as the baseline's norm does; so the read itself adds nothing there. What no
-schedule of this computation can avoid, in the dtypes train.py uses (depth_kernels/tools/traffic.py's REGIMES):
+schedule of this computation can avoid, in the dtypes train.py uses (meters/traffic.py's REGIMES):
 
 - each committed source is read at least once forward (its logit and its share of every read that uses it), and
   at least once backward (its gradient needs it again: dz_i = a_i (go . s_i - D)), where its routing gradient is

@@ -1,9 +1,9 @@
 """The memory traffic depth routing adds to one training step, per method, and the speed it predicts.
 
-    python -m depth_kernels.tools.traffic                  # the 1044M shape: 36 layers, d = 1280, 8 blocks,
+    python -m meters.traffic                  # the 1044M shape: 36 layers, d = 1280, 8 blocks,
                                                            # 4 x 1024 tokens
-    python -m depth_kernels.tools.traffic --json out.json  # also save the figures
-    python -m depth_kernels.tools.speed --traffic [...]    # the same with the "compiled" ratio (compiles the kernels)
+    python -m meters.traffic --json out.json  # also save the figures
+    python -m meters.speed --traffic [...]    # the same with the "compiled" ratio (compiles the kernels)
 
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
@@ -21,7 +21,7 @@ fp32 parameters, embedding and residual stream, bf16 sublayer outputs (autocast)
 
 The time model: the baseline step takes flops_per_token / (MFU x peak FLOP/s); routing adds, serially (nothing
 overlaps it), either all its bytes at a flat BANDWIDTH_EFFICIENCY of the peak bandwidth ("flat"), or its kernels
-at the time their compiled code is predicted to take on an H200 (depth_kernels/tools/speed.py: the launches'
+at the time their compiled code is predicted to take on an H200 (meters/speed.py: the launches'
 instructions, barriers and shared-memory accesses per loop iteration and their iterations, calibrated against
 measured H200 times) and its torch ops at BANDWIDTH_EFFICIENCY ("compiled"). The predicted tokens/s ratio is
 t_baseline / (t_baseline + t_routing). Every assumption is printed with the figures.
@@ -37,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from depth_kernels.launch import Launch, SourceTable, observe_launches
-from depth_kernels.tools.bound import lower_bound
-from depth_kernels.tools.occupancy import Occupancy, occupancy
+from meters.bound import lower_bound
+from meters.occupancy import Occupancy, occupancy
 from typing import Callable
 from model import Model, ModelConfig, RMSNorm
 from infra.runlog import flops_per_token
@@ -235,7 +235,7 @@ def compiled_ratio(result: dict, flops_per_token: float) -> float:
 REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (the precision rule: infra/distributed.py)",
                 "bf16": "bf16 parameters, stream and outputs (the whole model cast to bf16, as the authors' code)"}
 GOALS = {"delta_block": (1.3e6, 0.97), "delta": (7.5e6, 0.85)}     # MB per token above the baseline, tok/s ratio
-ABOVE_BOUND = ("the grouped schedule's own bytes (depth_kernels/tools/bound.py): phase 1's state written and read by "
+ABOVE_BOUND = ("the grouped schedule's own bytes (meters/bound.py): phase 1's state written and read by "
                "each receiver (and read again backward), go and D written back for phase 1's backward, each later "
                "group reading the committed sources and reading and writing their gradient accumulators (in the "
                "sources' dtype) again, phase 1's backward passes over R_BLOCK receivers at a time, the receivers' own "
@@ -249,10 +249,10 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
              f"assumptions: baseline {fpt / 1e9:.2f} GFLOP per token (runlog.flops_per_token) at MFU {MFU:.0%}; "
              f"routing not overlapped; flat: every byte at {BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth; compiled "
              f"({COMPILED_DEVICE}): each kernel launch at the time its compiled code is predicted to take "
-             f"(depth_kernels/tools/speed.py), torch ops at {BANDWIDTH_EFFICIENCY:.0%}; " +
+             f"(meters/speed.py), torch ops at {BANDWIDTH_EFFICIENCY:.0%}; " +
              "; ".join(f"{k} {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for k, (f, b) in DEVICES.items()),
              "MB per token above the baseline: today's, the lower bound and the floor of an in-order schedule "
-             "(bound + hand-offs: depth_kernels/tools/bound.py), the goal; predicted tokens/s vs the baseline",
+             "(bound + hand-offs: meters/bound.py), the goal; predicted tokens/s vs the baseline",
              f"{'method':<14}{'today':>8}{'forward':>9}{'backward':>9}{'bound':>8}{'floor':>8}{'goal':>7}"
              + "".join(f"{k + ' flat':>11}" for k in DEVICES) + f"{COMPILED_DEVICE + ' compiled':>15}{'goal':>7}"]
     for label, r in results.items():
@@ -277,7 +277,7 @@ def report(results: dict[str, dict], cfg: ModelConfig, tokens: tuple[int, int], 
 
 
 def main(argv: list[str] | None = None, timer: Timer | None = None) -> None:
-    """The command; with a timer (`python -m depth_kernels.tools.speed --traffic`: speed.Timer) also the
+    """The command; with a timer (`python -m meters.speed --traffic`: speed.Timer) also the
     "compiled" ratio."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", default="triton", choices=("triton", "reference"),

@@ -1,6 +1,6 @@
 """Benchmarks of depth routing: host time, kernel bandwidth, whole-model speed and memory.
 
-    python -m depth_kernels.tools.bench --host        # any machine: host time per routed read, the launch skipped
+    python -m meters.bench --host        # any machine: host time per routed read, the launch skipped
 
 On a GPU these are phases of the GPU check (`bash scripts/gpu_check.sh`, scripts/gpu_check.py), each in its
 own process under a time cap:
@@ -9,11 +9,11 @@ own process under a time cap:
    Delta AttnRes's largest reads at 36 layers), measured with the launch skipped;
 2. bench_routing: forward and forward+backward time of the kernels and of the reference at the 1044M shape
    (d = 1280, 4 x 1024 tokens, bf16), the bytes each launch moves (counted from its arguments, as
-   depth_kernels/tools/traffic.py does), the achieved bandwidth, and its fraction of a measured device-to-device copy
+   meters/traffic.py does), the achieved bandwidth, and its fraction of a measured device-to-device copy
    and of the nominal peak;
 3. kernel_bandwidth: every routing kernel one training step of a 1044M model launches, timed by the profiler
    on the device (the kernel alone: no host time of Triton's launcher in it), its bytes counted as
-   depth_kernels/tools/traffic.py counts them: achieved bandwidth per kernel kind and its fraction of the
+   meters/traffic.py counts them: achieved bandwidth per kernel kind and its fraction of the
    measured copy;
 4. bench_model: training steps of configs/1044m_*.py on random tokens (bf16 autocast, fused AdamW, 4 x 1024
    tokens per step, per-sublayer torch.compile as the configs ask): tokens/s, peak memory and allocated
@@ -39,15 +39,15 @@ import triton
 
 from infra import distributed
 from infra.config import TrainConfig, load_config
-from depth_kernels.tools import traffic
+from meters import traffic
 from depth_kernels.depth_route import depth_route, route_backward, route_forward
 from depth_kernels.launch import Launch, observe_launches, skipped_launches, source_table
-from depth_kernels.tools.traffic import ByteCounter
+from meters.traffic import ByteCounter
 from model import Model, ModelConfig
 from router import depth_route as reference
 from infra.runlog import device_time_by_name, flops_per_token
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, TOKENS = 1280, (4, 1024)
 N_SOURCES = (9, 25, 49, 73)
 HOST_N = (9, 73)
@@ -106,7 +106,7 @@ def copy_bandwidth() -> float:
 
 def launch_bytes(fn) -> int:
     """Bytes the kernel launches of fn() read and write, counted from their arguments
-    (depth_kernels/tools/traffic.py)."""
+    (meters/traffic.py)."""
     counter = ByteCounter()
 
     def count(launch: Launch) -> bool:
@@ -209,9 +209,9 @@ def model_config(config: str, layers: int | None = None) -> tuple[ModelConfig, T
 
 
 def traffic_predictions(layers: int | None = None) -> dict:
-    """depth_kernels/tools/traffic.py's figures for each of KERNEL_CONFIGS as bench_model runs it (TOKENS, regime
+    """meters/traffic.py's figures for each of KERNEL_CONFIGS as bench_model runs it (TOKENS, regime
     "autocast": fp32 parameters and stream, bf16 sublayer outputs): the bytes per token routing adds to the
-    baseline, and the tokens/s ratio to the baseline predicted on every device depth_kernels.tools.traffic knows."""
+    baseline, and the tokens/s ratio to the baseline predicted on every device meters.traffic knows."""
     out = {"regime": "autocast", "tokens": TOKENS, "mfu": traffic.MFU,
            "bandwidth_efficiency": traffic.BANDWIDTH_EFFICIENCY, "configs": {}}
     for config in KERNEL_CONFIGS:
@@ -253,7 +253,7 @@ def training_step(model: Model, opt: torch.optim.Optimizer | None, idx: torch.Te
 
 def kernel_bandwidth(config: str, copy: float, layers: int | None = None) -> dict[str, dict]:
     """Per routing kernel, what one training step of configs/<config>.py launches: launches, bytes (counted from
-    the launches' arguments as depth_kernels/tools/traffic.py counts them), ms (the profiler's device time of
+    the launches' arguments as meters/traffic.py counts them), ms (the profiler's device time of
     the kernel alone, no host time in it), achieved bandwidth and its fraction of `copy` (bytes/s). Sublayers
     run eagerly: they do not change the kernels."""
     model, _ = build_model(config, layers, compile=False)
@@ -340,7 +340,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if not args.host:
-        raise SystemExit("python -m depth_kernels.tools.bench runs --host only; the GPU benchmarks are phases of "
+        raise SystemExit("python -m meters.bench runs --host only; the GPU benchmarks are phases of "
                          "`bash scripts/gpu_check.sh`")
     host = host_times("cpu", args.repeats)
     for n, t in host.items():
