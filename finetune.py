@@ -39,11 +39,11 @@ from infra import files
 from infra import shards
 import train
 from infra import trained
-from infra.config import ConfigError, TrainConfig, check_ranges, command_line
+from infra.config import NON_NEGATIVE, ConfigError, TrainConfig, check_ranges, command_line
 from infra.hf_export import save_hf
 from infra.hf_qwen3 import load_hf_qwen3
 from infra.tokenizer import get_tokenizer
-from model import NON_NEGATIVE, Model, ModelConfig
+from model import Model, ModelConfig
 from router import make_policy
 
 

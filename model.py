@@ -33,26 +33,6 @@ def uses_kernel(kernel: str, device: torch.device) -> bool:
     return device.type == "cuda" if kernel == "auto" else kernel == "triton"
 
 
-Rule = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words); infra/config.py's too
-
-
-def one_of(names: tuple[str, ...]) -> Rule:
-    return (lambda v: v in names, ", ".join(names))
-
-
-AT_LEAST_1: Rule = (lambda v: v >= 1, "integers >= 1")
-NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "finite numbers >= 0")  # `0 <= v` is False for NaN too
-MODEL_RULES: dict[str, Rule] = {
-    **{key: AT_LEAST_1 for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
-    "head_dim": (lambda v: v >= 2 and v % 2 == 0, "even integers >= 2 (RoPE rotates pairs of channels)"),
-    "rope_theta": (lambda v: 0 < v < math.inf, "finite numbers > 0"), "norm_eps": NON_NEGATIVE,
-    "init_std": NON_NEGATIVE, "out_init": one_of(OUT_INITS), "residual": one_of(METHODS), "kernel": one_of(KERNELS),
-    "block_source": one_of(BLOCK_SOURCES), "sources": one_of(SOURCES), "block_split": one_of(BLOCK_SPLITS),
-    "query_init_std": (lambda v: v is None or NON_NEGATIVE[0](v), f"a finite std >= 0, or None for the default "
-                       f"(0, or {GATED_QUERY_INIT_STD} with gate=True)"),
-}
-
-
 @dataclass
 class ModelConfig:
     vocab_size: int = 257
@@ -88,37 +68,7 @@ class ModelConfig:
     kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
 
     def __post_init__(self):
-        for key, (allowed, words) in MODEL_RULES.items():
-            if not allowed(getattr(self, key)):
-                raise ValueError(f"{key}={getattr(self, key)!r}: allowed values are {words}")
-        for bad, message in self._conflicts():
-            if bad:
-                raise ValueError(message)
-        if self.block_split == "ceil" and self.residual in ("attnres", "delta_block"):
-            self._check_ceil_split()
-
-    def _conflicts(self) -> list[tuple[bool, str]]:
-        """The checks across fields, each (the settings do not fit, why), in the order they are reported."""
-        blocked = self.residual in ("attnres", "delta_block")
-        return [
-            (self.sources == "states" and (self.residual == "baseline" or self.block_source == "paper"),
-             "sources='states' needs a routed method and block_source='boundary' (the paper's variant is a "
-             "construction of deltas of its own)"),
-            (blocked and not 1 <= self.n_blocks <= self.n_layers, f"n_blocks={self.n_blocks}: allowed values are "
-             f"1..n_layers={self.n_layers} (blocks are made of whole layers)"),
-            (self.n_heads % self.n_kv_heads != 0,
-             f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"),
-            (self.residual != "delta_block" and (self.block_source != "boundary" or not self.include_partial),
-             f"block_source and include_partial choose Delta Block's sources; residual={self.residual!r} has no "
-             "block deltas (use residual='delta_block')"),
-            (self.residual == "baseline" and (self.gate or self.null_source or (self.query_init_std or 0) > 0),
-             "gate, null_source and query_init_std need a routed method; residual='baseline' has no routing"),
-            (self.learned_null and not self.null_source,
-             "learned_null=True: the learned vector is the null source; set null_source=True too"),
-            (self.gate and self.residual in ("attnres", "full_attnres"),
-             f"gate=True is for additive routing (delta, delta_block); {self.residual!r} replaces the sublayer "
-             "input, so a zero gate would feed it zeros"),
-        ]
+        check_model_config(self)      # each field against its allowed values, then across fields (end of file)
 
     @property
     def query_std(self) -> float:
@@ -126,15 +76,6 @@ class ModelConfig:
         if self.query_init_std is not None:
             return self.query_init_std
         return GATED_QUERY_INIT_STD if self.gate else 0.0
-
-    def _check_ceil_split(self) -> None:
-        """Blocks of ceil(L / K) layers can be fewer than K (12 layers, K = 5: 4 blocks of 3)."""
-        size = -(-self.n_layers // self.n_blocks)
-        made = -(-self.n_layers // size)
-        if made != self.n_blocks:
-            raise ValueError(f"n_blocks={self.n_blocks} with block_split='ceil' makes {made} blocks of "
-                             f"ceil({self.n_layers}/{self.n_blocks}) = {size} layers; use block_split='even' or "
-                             f"an n_blocks that ceil blocks reach exactly")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -321,3 +262,72 @@ class Model(nn.Module):
             norms = [norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             return GroupedDepthState(*args, norms=norms + [self.norm])
         return DepthState(*args)
+
+
+# ------------------------------------------------------------------------------ the configuration's checks
+
+Rule = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words)
+
+
+def one_of(names: tuple[str, ...]) -> Rule:
+    return (lambda v: v in names, ", ".join(names))
+
+
+AT_LEAST_1: Rule = (lambda v: v >= 1, "integers >= 1")
+NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "finite numbers >= 0")  # `0 <= v` is False for NaN too
+MODEL_RULES: dict[str, Rule] = {
+    **{key: AT_LEAST_1 for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
+    "head_dim": (lambda v: v >= 2 and v % 2 == 0, "even integers >= 2 (RoPE rotates pairs of channels)"),
+    "rope_theta": (lambda v: 0 < v < math.inf, "finite numbers > 0"), "norm_eps": NON_NEGATIVE,
+    "init_std": NON_NEGATIVE, "out_init": one_of(OUT_INITS), "residual": one_of(METHODS), "kernel": one_of(KERNELS),
+    "block_source": one_of(BLOCK_SOURCES), "sources": one_of(SOURCES), "block_split": one_of(BLOCK_SPLITS),
+    "query_init_std": (lambda v: v is None or NON_NEGATIVE[0](v), f"a finite std >= 0, or None for the default "
+                       f"(0, or {GATED_QUERY_INIT_STD} with gate=True)"),
+}
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """ModelConfig's checks: every field in MODEL_RULES, then the settings that do not fit together (_conflicts),
+    then a ceil split's block count. A ValueError names the field, its value and what is allowed."""
+    for key, (allowed, words) in MODEL_RULES.items():
+        if not allowed(getattr(cfg, key)):
+            raise ValueError(f"{key}={getattr(cfg, key)!r}: allowed values are {words}")
+    for bad, message in _conflicts(cfg):
+        if bad:
+            raise ValueError(message)
+    if cfg.block_split == "ceil" and cfg.residual in ("attnres", "delta_block"):
+        _check_ceil_split(cfg)
+
+
+def _conflicts(cfg: ModelConfig) -> list[tuple[bool, str]]:
+    """The checks across fields, each (the settings do not fit, why), in the order they are reported."""
+    blocked = cfg.residual in ("attnres", "delta_block")
+    return [
+        (cfg.sources == "states" and (cfg.residual == "baseline" or cfg.block_source == "paper"),
+         "sources='states' needs a routed method and block_source='boundary' (the paper's variant is a "
+         "construction of deltas of its own)"),
+        (blocked and not 1 <= cfg.n_blocks <= cfg.n_layers, f"n_blocks={cfg.n_blocks}: allowed values are "
+         f"1..n_layers={cfg.n_layers} (blocks are made of whole layers)"),
+        (cfg.n_heads % cfg.n_kv_heads != 0,
+         f"n_heads={cfg.n_heads} is not a multiple of n_kv_heads={cfg.n_kv_heads}"),
+        (cfg.residual != "delta_block" and (cfg.block_source != "boundary" or not cfg.include_partial),
+         f"block_source and include_partial choose Delta Block's sources; residual={cfg.residual!r} has no "
+         "block deltas (use residual='delta_block')"),
+        (cfg.residual == "baseline" and (cfg.gate or cfg.null_source or (cfg.query_init_std or 0) > 0),
+         "gate, null_source and query_init_std need a routed method; residual='baseline' has no routing"),
+        (cfg.learned_null and not cfg.null_source,
+         "learned_null=True: the learned vector is the null source; set null_source=True too"),
+        (cfg.gate and cfg.residual in ("attnres", "full_attnres"),
+         f"gate=True is for additive routing (delta, delta_block); {cfg.residual!r} replaces the sublayer "
+         "input, so a zero gate would feed it zeros"),
+    ]
+
+
+def _check_ceil_split(cfg: ModelConfig) -> None:
+    """Blocks of ceil(L / K) layers can be fewer than K (12 layers, K = 5: 4 blocks of 3)."""
+    size = -(-cfg.n_layers // cfg.n_blocks)
+    made = -(-cfg.n_layers // size)
+    if made != cfg.n_blocks:
+        raise ValueError(f"n_blocks={cfg.n_blocks} with block_split='ceil' makes {made} blocks of "
+                         f"ceil({cfg.n_layers}/{cfg.n_blocks}) = {size} layers; use block_split='even' or "
+                         f"an n_blocks that ceil blocks reach exactly")

@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 
 from infra import cli
 from infra.distributed import COMPILE_MODES, COMPILE_REGIONS, PARALLEL, PRECISIONS
-from model import AT_LEAST_1, NON_NEGATIVE, ModelConfig, Rule, one_of
+from model import ModelConfig
 
 C = TypeVar("C")
 WEIGHT_DECAY_ON = ("matrices", "all")
@@ -81,7 +81,15 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------------------------- config
 
-# model.Rule: (test of a value, the allowed values in words); model.py holds the rules both configs use
+Rule = tuple[Callable[[object], bool], str]  # (test of a value, the allowed values in words)
+
+
+def one_of(names: tuple[str, ...]) -> Rule:
+    return (lambda v: v in names, ", ".join(names))
+
+
+AT_LEAST_1: Rule = (lambda v: v >= 1, "integers >= 1")
+NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "finite numbers >= 0")  # `0 <= v` is False for NaN too
 AT_LEAST_0: Rule = (lambda v: v >= 0, "integers >= 0")
 POSITIVE: Rule = (lambda v: 0 < v < math.inf, "finite numbers > 0")
 NAME: Rule = (lambda v: v.strip() != "", "non-empty strings")
