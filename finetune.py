@@ -39,7 +39,7 @@ from infra import files
 from infra import shards
 import train
 from infra import trained
-from infra.config import NON_NEGATIVE, ConfigError, TrainConfig, check_ranges, command_line
+from infra.config import NON_NEGATIVE, ConfigError, TrainConfig, batch_split, check_ranges, command_line
 from infra.hf_export import save_hf
 from infra.hf_qwen3 import load_hf_qwen3
 from infra.tokenizer import get_tokenizer
@@ -229,7 +229,7 @@ def step0_check(model: Model, cfg: TrainConfig, device: torch.device, world_size
     process, in the micro-batches each of world_size ranks will use."""
     model.to(device).eval()
     # the same windows train.py validates on: the first eval_batches x batch_size, in order
-    micro, grad_accum = train.batch_split(cfg, world_size)
+    micro, grad_accum = batch_split(cfg, world_size)
     loader = shards.ShardLoader(cfg.data, "val", micro, cfg.seq_len, shuffle=False, step_batch=cfg.batch_size)
     n_batches = cfg.eval_batches * grad_accum * world_size
     x = loader.next_batch()[0].to(device)                                      # (B, T)

@@ -18,9 +18,9 @@ and stops; checkpoints are also written every `ckpt_interval` steps and every `c
 lock on out_dir; `--resume` continues from the newest intact checkpoint. infra/distributed.py holds the
 process group and parallel wrapping, infra/checkpoint.py the checkpoint formats.
 
-The run is `training_loop`, one function to read top to bottom, nanoGPT's way: set-up, then one `while` loop
-that checks for the end (final evaluation, or a checkpoint on a stop signal), saves, takes an optimizer step,
-logs and evaluates.
+The run is `training_loop`, one screen to read top to bottom, nanoGPT's way: set-up, then one `while` loop that
+checks for the end (final evaluation, or a checkpoint on a stop signal), saves, takes an optimizer step, logs and
+evaluates; each of those is a named function below it (Run holds where the loop stands).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -43,7 +43,7 @@ from infra import distributed
 from infra import files
 from infra import runlog
 from infra import shards
-from infra.config import ConfigError, TrainConfig, command_line
+from infra.config import TrainConfig, batch_split, command_line
 from model import Model, ModelConfig
 
 OUT_DIR_LOCK = "run.lock"
@@ -106,35 +106,9 @@ def evaluate(model: nn.Module, loader: shards.ShardLoader, n_batches: int, devic
     return total.item()
 
 
-def batch_split(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
-    """(micro-batch per rank, gradient accumulation steps) on world_size processes, or a clear error."""
-    if cfg.parallel == "fsdp" and world_size == 1:
-        raise ConfigError("parallel='fsdp' on a single process shards nothing: launch with "
-                          "`torchrun --nproc_per_node=N train.py ...` (N >= 2) or set parallel='ddp'")
-    if not cfg.micro_batch_size:
-        if cfg.batch_size % world_size:
-            raise ConfigError(f"batch_size={cfg.batch_size} does not split over {world_size} processes: launch a "
-                              f"number of processes that divides it, or set micro_batch_size")
-        return cfg.batch_size // world_size, 1
-    per_micro_step = cfg.micro_batch_size * world_size
-    if cfg.batch_size % per_micro_step:
-        raise ConfigError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size} "
-                          f"x world_size={world_size} = {per_micro_step}: change micro_batch_size or the number of "
-                          f"processes so that it divides the global batch")
-    return cfg.micro_batch_size, cfg.batch_size // per_micro_step
-
-
 class NonFiniteError(cli.UserError, FloatingPointError):
     """The run stopped on non-finite numbers (too high an lr, most often): the message names the checkpoint to
     resume from."""
-
-
-class RankTimeoutError(cli.RankFailureError, TimeoutError):
-    """Under torchrun: a collective waited more than dist_timeout_s for a rank that hung or died."""
-
-
-class RankLostError(cli.RankFailureError, ConnectionError):
-    """Under torchrun: another rank ended while this one waited for it."""
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig, model: Model | None = None,
@@ -147,18 +121,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, model: Model | None = None,
     groups: optimizer parameter groups; a group's "lr_scale" multiplies the scheduled learning rate.
     """
     ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
-    try:
-        with contextlib.ExitStack() as held:  # the out_dir lock, released however the run ends
+    try:  # a rank that hangs or dies ends the job with a message (distributed.rank_failures)
+        with distributed.rank_failures(ctx, cfg.dist_timeout_s), contextlib.ExitStack() as held:   # held: the lock
             return training_loop(model_cfg, cfg, ctx, model, groups, held)
-    except RuntimeError as e:  # what a collective raises when another rank never comes, or has ended
-        # torch gives these failures no type of their own: its message is the only way to tell them apart
-        reason = str(e).splitlines()[0]
-        if ctx.world_size > 1 and "timed out" in reason.lower():
-            raise RankTimeoutError(f"rank {ctx.rank} waited more than dist_timeout_s={cfg.dist_timeout_s:g}s for "
-                                   f"the other ranks: one of them hung or died ({reason})") from e
-        if ctx.world_size > 1 and "closed by peer" in reason.lower():
-            raise RankLostError(f"rank {ctx.rank} lost another rank, which has ended ({reason})") from e
-        raise
     finally:
         distributed.teardown(ctx)
 
@@ -174,178 +139,208 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
         torch.backends.cudnn.allow_tf32 = True
     distributed.on_main(ctx, lambda: held.enter_context(files.locked(
         os.path.join(cfg.out_dir, OUT_DIR_LOCK), wait=False, holder_of=f"out_dir {cfg.out_dir}")))
-    resume_path, resume = _resume_point(model_cfg, cfg, ctx)
-    train_loader, val_loader = _open_data(model_cfg, cfg, ctx, micro, resume)
+    resume_path, resume = checkpoint.resume_point(model_cfg, cfg, ctx)
+    train_loader, val_loader = corpus.open_loaders(model_cfg, cfg, ctx, micro, resume)
     raw, model, optimizer = _build(model_cfg, cfg, ctx, model, groups)
-    step, saved_at, last_saved = 0, None, None  # last_saved: the newest checkpoint written or resumed (all finite)
+    run = Run(gpu_busy=runlog.GpuBusy(device))
     if resume is not None:
         checkpoint.restore(model, optimizer, resume_path)
         train_loader.load_state_dict(resume["loader"])
-        step, saved_at, last_saved = resume["step"], resume["step"], resume_path
+        run.step, run.saved_at, run.last_saved = resume["step"], resume["step"], resume_path
     log = runlog.Logger(cfg, ctx.is_main, {"model": asdict(model_cfg), "train": asdict(cfg)})
     if ctx.is_main:
-        print(f"model: {json.dumps(asdict(model_cfg))}\ntrain: {json.dumps(asdict(cfg))}")
-        print(f"{raw.num_params() / 1e6:.2f}M parameters, {len(raw.routers)} routers, {ctx.world_size} x {device} "
-              f"({cfg.parallel if ctx.world_size > 1 else 'single process'}), micro-batch {micro}, "
-              f"grad accumulation {grad_accum}"
-              + (f", resumed at step {step} from {last_saved}" if resume else ""), flush=True)
-
-    losses: list[float] = []                   # the mean loss over ranks of every step this run takes
-    bad_in_a_row = skipped = steps_since_log = 0  # non-finite steps: in a row now, and in all this run
-    out_of_time = signalled = save_due = False   # the last step's flags, the same on every rank
+        _print_setup(model_cfg, cfg, ctx, raw, micro, grad_accum, run if resume else None)
+    evaluation = lambda: evaluate(model, val_loader, cfg.eval_batches * grad_accum, device, cfg.precision)  # noqa
     val_loss = None                              # the final evaluation's
-    gpu_busy = runlog.GpuBusy(device)            # a logged step's GPU time, beside the wall time per step
-    t0 = t_log = t_saved = time.time()
+    run.t0 = run.t_log = run.t_saved = time.time()
     with distributed.StopRequest(announce=ctx.is_main) as stop:
         while True:
             # ---- the end: max_steps or the time budget reached (the final evaluation, then save), or a stop
             # signal on any rank (save, then report); before the first step too, for a run resumed at its end
-            finished = out_of_time or step >= cfg.max_steps
-            if out_of_time and ctx.is_main:
-                print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}")
-            if finished and not signalled:
-                val_loss = evaluate(model, val_loader, cfg.eval_batches * grad_accum, device, cfg.precision)
-                elapsed = time.time() - t0
-                log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "final": True,
-                     "wall_s": elapsed}, f"final | step {step} | val loss {val_loss:.4f} | val ppl "
-                                         f"{math.exp(val_loss):.2f} | {elapsed:.0f}s")
-
-            # ---- save: every ckpt_interval steps and ckpt_minutes (save_due), but never in a streak of skipped
-            # steps (its weights are those before the streak); and at the end, unless this step is saved already
-            interval = bool(losses) and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or save_due)
-            if saved_at != step and (finished or signalled or (interval and not bad_in_a_row)):
-                t_pause = time.time()  # saving does not count against tokens/s
-                meta = {"loader": train_loader.state_dict(), "step": step, "model_config": asdict(model_cfg),
-                        "train_config": asdict(cfg), "data": train_loader.info}
-                try:  # collective; refused (on every rank) if any weight or optimizer value is not finite
-                    last_saved = checkpoint.save(ctx, model, optimizer, os.path.join(cfg.out_dir, f"ckpt_{step:07d}"),
-                                                 meta)
-                except FloatingPointError as e:
-                    raise NonFiniteError(f"step {step}: {e}; the newest finite checkpoint is "
-                                         f"{last_saved or 'none (this run saved none)'}") from None
-                if ctx.is_main:  # keep the newest keep_checkpoints
-                    for old in checkpoint.checkpoint_paths(cfg.out_dir)[:-cfg.keep_checkpoints]:
-                        checkpoint.remove(old)
-                distributed.barrier(ctx)
-                saved_at, t_saved = step, time.time()
-                t_log += t_saved - t_pause
-            if signalled:
-                # a rank that got no signal itself stops because another rank did: SIGTERM is what torchrun sends
-                name = signal.Signals(stop.signal or signal.SIGTERM).name
-                log({"step": step, "stopped_by": name, "checkpoint": last_saved},
-                    f"step {step:5d} | stopped by {name}: saved {last_saved}; continue with --resume")
-            if finished or signalled:
+            finished = run.out_of_time or run.step >= cfg.max_steps
+            if finished and not run.signalled:
+                val_loss = _final_evaluation(run, cfg, ctx, log, evaluation)
+            # ---- save: every ckpt_interval steps and ckpt_minutes, never in a streak of skipped steps (its
+            # weights are those before the streak); and at the end, unless this step is saved already
+            if run.saved_at != run.step and (finished or run.signalled or run.save_due(cfg)):
+                with run.paused():
+                    _save(run, model_cfg, cfg, ctx, model, optimizer, train_loader)
+            if run.signalled:
+                _report_stop(run, log, stop)
+            if finished or run.signalled:
                 break
 
             # ---- one optimizer step: grad_accum micro-batches, gradients reduced over ranks at the last one
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
-            gpu_busy.start(measured=(step + 1) % cfg.log_interval == 0)   # the step that is logged, on a GPU
-            loss_sum = forward_backward(model, train_loader, grad_accum, device, cfg.precision)
-            grad_norm = distributed.clip_grad_norm(model, cfg.grad_clip)      # the global norm, on the device
-            # One collective per step: the mean loss over ranks and the flags that any one rank may raise, so that
-            # every rank stops or saves at the same step (clocks and signals differ between processes); then one
-            # read from the device, with the norm: the NaN guard below needs both before the optimizer steps.
-            now = time.time()
-            flags = [cfg.time_budget_s > 0 and now - t0 >= cfg.time_budget_s, stop.signal is not None,
-                     cfg.ckpt_minutes > 0 and now - t_saved >= 60 * cfg.ckpt_minutes]
-            stats = distributed.all_reduce(torch.cat([loss_sum[None], torch.tensor(flags, device=device).float()]))
-            loss_total, *raised, grad_norm = torch.cat([stats, grad_norm.float()[None]]).tolist()
-            mean_loss = loss_total / ctx.world_size
-            out_of_time, signalled, save_due = (v > 0 for v in raised)
-            if math.isfinite(mean_loss) and math.isfinite(grad_norm):
-                optimizer.step()
-                bad_in_a_row = 0
-            else:  # skipped: the weights stay those of the last finite step
-                bad_in_a_row += 1
-                skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-            gpu_busy.stop()
-            step += 1
-            steps_since_log += 1
-            losses.append(mean_loss)
-
+            mean_loss, grad_norm, lr = _optimizer_step(run, cfg, ctx, model, optimizer, train_loader, grad_accum,
+                                                       stop)
             # ---- log: a skipped step at once (max_bad_steps in a row stop the run), the others every log_interval
-            if bad_in_a_row:
-                log({"step": step, "skipped": True, "loss": mean_loss, "grad_norm": grad_norm},
-                    f"step {step:5d} | skipped: loss {mean_loss:.4f}, grad norm {grad_norm:.3f} "
-                    f"({bad_in_a_row} in a row, {skipped} in all)")
-            if bad_in_a_row >= cfg.max_bad_steps:
-                raise NonFiniteError(
-                    f"{bad_in_a_row} steps in a row, up to step {step}, had a non-finite loss or gradient norm (the "
-                    f"last: loss {mean_loss}, grad norm {grad_norm}) and were skipped, so the run stopped. The "
-                    f"newest finite checkpoint is {last_saved or 'none (this run saved none)'}: continue from it "
-                    "with --resume and a lower lr or grad_clip")
-            if step % cfg.log_interval == 0 or step == cfg.max_steps or signalled or out_of_time:
-                peak = distributed.all_reduce(torch.tensor(runlog.peak_memory_gb(device), device=device), "max").item()
-                dt = time.time() - t_log
-                tok_per_s = steps_since_log * cfg.batch_size * cfg.seq_len / dt
-                mfu = tok_per_s * runlog.flops_per_token(model_cfg, cfg.seq_len) / (cfg.peak_flops * ctx.world_size)
-                ms = f"{1000 * dt / steps_since_log:.0f} ms/step" + ("" if gpu_busy.ms is None else
-                                                                     f" (GPU busy {gpu_busy.ms:.0f})")
-                eta = runlog.duration((cfg.max_steps - step) * dt / steps_since_log)   # at this interval's pace
-                log({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tok_per_s": tok_per_s,
-                     "mfu": mfu, "step_time_s": dt / steps_since_log, "gpu_busy_s": gpu_busy.ms and gpu_busy.ms / 1e3,
-                     "peak_mem_gb": peak, "skipped_steps": skipped},
-                    f"step {step:5d}/{cfg.max_steps} | loss {mean_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f}"
-                    f" | {tok_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {ms} | peak mem {peak:.2f} GB | ETA {eta}"
-                    + (f" | {skipped} skipped" if skipped else ""))
-                t_log, steps_since_log = time.time(), 0
+            _check_skipped(run, cfg, log, mean_loss, grad_norm)
+            if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps or run.signalled or run.out_of_time:
+                _log_progress(run, model_cfg, cfg, ctx, log, mean_loss, grad_norm, lr)
 
             # ---- evaluate every eval_interval steps (the end has its own evaluation)
-            if step % cfg.eval_interval == 0 and step < cfg.max_steps and not (signalled or out_of_time):
-                t_pause = time.time()  # evaluation does not count against tokens/s
-                val = evaluate(model, val_loader, cfg.eval_batches * grad_accum, device, cfg.precision)
-                log({"step": step, "val_loss": val, "val_ppl": math.exp(val)},
-                    f"step {step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
-                t_log += time.time() - t_pause
+            if run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps and not (run.signalled or
+                                                                                        run.out_of_time):
+                with run.paused():                  # evaluation does not count against tokens/s
+                    val = evaluation()
+                log({"step": run.step, "val_loss": val, "val_ppl": math.exp(val)},
+                    f"step {run.step:5d} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
     log.close()
-    stopped_by = (stop.signal or signal.SIGTERM) if signalled else None
-    return {"losses": losses, "val_loss": val_loss, "val_ppl": None if val_loss is None else math.exp(val_loss),
-            "step": step, "skipped_steps": skipped, "stopped_by": stopped_by}
+    stopped_by = (stop.signal or signal.SIGTERM) if run.signalled else None
+    return {"losses": run.losses, "val_loss": val_loss, "val_ppl": None if val_loss is None else math.exp(val_loss),
+            "step": run.step, "skipped_steps": run.skipped, "stopped_by": stopped_by}
+
+
+# --------------------------------------------------------------------------------------- the loop's parts
+
+@dataclass
+class Run:
+    """Where the loop stands: the step, what was saved, the non-finite steps, the clocks, and the last step's
+    flags (the same on every rank)."""
+    step: int = 0
+    saved_at: int | None = None             # the step of the newest checkpoint written or resumed
+    last_saved: str | None = None           # its path (every value in it finite)
+    losses: list[float] = field(default_factory=list)   # the mean loss over ranks of every step this run takes
+    bad_in_a_row: int = 0                   # non-finite steps: in a row now, and in all this run
+    skipped: int = 0
+    steps_since_log: int = 0
+    out_of_time: bool = False
+    signalled: bool = False
+    save_now: bool = False                  # ckpt_minutes have passed since the last save
+    t0: float = 0.0                         # the clocks, set as the loop starts: its start,
+    t_log: float = 0.0                      # where the interval of the next log line starts,
+    t_saved: float = 0.0                    # and the last save
+    gpu_busy: runlog.GpuBusy | None = None  # a logged step's GPU time, beside the wall time per step
+
+    def save_due(self, cfg: TrainConfig) -> bool:
+        interval = bool(self.losses) and ((cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.save_now)
+        return bool(interval) and not self.bad_in_a_row
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (saving, evaluating) does not count against the next log line's tokens/s."""
+        start = time.time()
+        yield
+        self.t_log += time.time() - start
+
+
+def _print_setup(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, raw: Model, micro: int,
+                 grad_accum: int, resumed: Run | None) -> None:
+    print(f"model: {json.dumps(asdict(model_cfg))}\ntrain: {json.dumps(asdict(cfg))}")
+    print(f"{raw.num_params() / 1e6:.2f}M parameters, {len(raw.routers)} routers, {ctx.world_size} x {ctx.device} "
+          f"({cfg.parallel if ctx.world_size > 1 else 'single process'}), micro-batch {micro}, "
+          f"grad accumulation {grad_accum}"
+          + (f", resumed at step {resumed.step} from {resumed.last_saved}" if resumed else ""), flush=True)
+
+
+def _final_evaluation(run: Run, cfg: TrainConfig, ctx: distributed.Context, log: runlog.Logger, evaluation) -> float:
+    if run.out_of_time and ctx.is_main:
+        print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {run.step}")
+    val_loss = evaluation()
+    elapsed = time.time() - run.t0
+    log({"step": run.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "final": True, "wall_s": elapsed},
+        f"final | step {run.step} | val loss {val_loss:.4f} | val ppl {math.exp(val_loss):.2f} | {elapsed:.0f}s")
+    return val_loss
+
+
+def _save(run: Run, model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, model: nn.Module,
+          optimizer: torch.optim.Optimizer, loader: shards.ShardLoader) -> None:
+    """A checkpoint of this step (collective; refused on every rank if any weight or optimizer value is not
+    finite), keeping the newest keep_checkpoints."""
+    meta = {"loader": loader.state_dict(), "step": run.step, "model_config": asdict(model_cfg),
+            "train_config": asdict(cfg), "data": loader.info}
+    try:
+        run.last_saved = checkpoint.save(ctx, model, optimizer, os.path.join(cfg.out_dir, f"ckpt_{run.step:07d}"),
+                                         meta)
+    except FloatingPointError as e:
+        raise NonFiniteError(f"step {run.step}: {e}; the newest finite checkpoint is "
+                             f"{run.last_saved or 'none (this run saved none)'}") from None
+    if ctx.is_main:
+        for old in checkpoint.checkpoint_paths(cfg.out_dir)[:-cfg.keep_checkpoints]:
+            checkpoint.remove(old)
+    distributed.barrier(ctx)
+    run.saved_at, run.t_saved = run.step, time.time()
+
+
+def _report_stop(run: Run, log: runlog.Logger, stop: distributed.StopRequest) -> None:
+    # a rank that got no signal itself stops because another rank did: SIGTERM is what torchrun sends
+    name = signal.Signals(stop.signal or signal.SIGTERM).name
+    log({"step": run.step, "stopped_by": name, "checkpoint": run.last_saved},
+        f"step {run.step:5d} | stopped by {name}: saved {run.last_saved}; continue with --resume")
+
+
+def _optimizer_step(run: Run, cfg: TrainConfig, ctx: distributed.Context, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, loader: shards.ShardLoader, grad_accum: int,
+                    stop: distributed.StopRequest) -> tuple[float, float, float]:
+    """One step: the gradients, clipped; one collective for the mean loss over ranks and the flags that any one
+    rank may raise, so that every rank stops or saves at the same step (clocks and signals differ between
+    processes); then one read from the device, with the norm, for the NaN guard: the optimizer steps only when
+    loss and norm are finite. Returns (mean loss, gradient norm, learning rate)."""
+    device = ctx.device
+    lr = lr_at(run.step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    run.gpu_busy.start(measured=(run.step + 1) % cfg.log_interval == 0)   # the step that is logged, on a GPU
+    loss_sum = forward_backward(model, loader, grad_accum, device, cfg.precision)
+    grad_norm = distributed.clip_grad_norm(model, cfg.grad_clip)          # the global norm, on the device
+    now = time.time()
+    flags = [cfg.time_budget_s > 0 and now - run.t0 >= cfg.time_budget_s, stop.signal is not None,
+             cfg.ckpt_minutes > 0 and now - run.t_saved >= 60 * cfg.ckpt_minutes]
+    stats = distributed.all_reduce(torch.cat([loss_sum[None], torch.tensor(flags, device=device).float()]))
+    loss_total, *raised, grad_norm = torch.cat([stats, grad_norm.float()[None]]).tolist()
+    mean_loss = loss_total / ctx.world_size
+    run.out_of_time, run.signalled, run.save_now = (v > 0 for v in raised)
+    if math.isfinite(mean_loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        run.bad_in_a_row = 0
+    else:  # skipped: the weights stay those of the last finite step
+        run.bad_in_a_row += 1
+        run.skipped += 1
+    optimizer.zero_grad(set_to_none=True)
+    run.gpu_busy.stop()
+    run.step += 1
+    run.steps_since_log += 1
+    run.losses.append(mean_loss)
+    return mean_loss, grad_norm, lr
+
+
+def _check_skipped(run: Run, cfg: TrainConfig, log: runlog.Logger, mean_loss: float, grad_norm: float) -> None:
+    """A skipped step is logged at once; max_bad_steps in a row stop the run."""
+    if not run.bad_in_a_row:
+        return
+    log({"step": run.step, "skipped": True, "loss": mean_loss, "grad_norm": grad_norm},
+        f"step {run.step:5d} | skipped: loss {mean_loss:.4f}, grad norm {grad_norm:.3f} "
+        f"({run.bad_in_a_row} in a row, {run.skipped} in all)")
+    if run.bad_in_a_row >= cfg.max_bad_steps:
+        raise NonFiniteError(
+            f"{run.bad_in_a_row} steps in a row, up to step {run.step}, had a non-finite loss or gradient norm (the "
+            f"last: loss {mean_loss}, grad norm {grad_norm}) and were skipped, so the run stopped. The newest "
+            f"finite checkpoint is {run.last_saved or 'none (this run saved none)'}: continue from it with --resume "
+            "and a lower lr or grad_clip")
+
+
+def _log_progress(run: Run, model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context,
+                  log: runlog.Logger, mean_loss: float, grad_norm: float, lr: float) -> None:
+    """The log line of the steps since the last one: loss, speed, MFU, the GPU's busy time, memory, time left."""
+    device = ctx.device
+    peak = distributed.all_reduce(torch.tensor(runlog.peak_memory_gb(device), device=device), "max").item()
+    dt = time.time() - run.t_log
+    per_step = dt / run.steps_since_log
+    tok_per_s = cfg.batch_size * cfg.seq_len / per_step
+    mfu = tok_per_s * runlog.flops_per_token(model_cfg, cfg.seq_len) / (cfg.peak_flops * ctx.world_size)
+    busy = run.gpu_busy.ms
+    ms = f"{1000 * per_step:.0f} ms/step" + ("" if busy is None else f" (GPU busy {busy:.0f})")
+    eta = runlog.duration((cfg.max_steps - run.step) * per_step)      # at this interval's pace
+    log({"step": run.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tok_per_s": tok_per_s, "mfu": mfu,
+         "step_time_s": per_step, "gpu_busy_s": busy and busy / 1e3, "peak_mem_gb": peak,
+         "skipped_steps": run.skipped},
+        f"step {run.step:5d}/{cfg.max_steps} | loss {mean_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+        f"{tok_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {ms} | peak mem {peak:.2f} GB | ETA {eta}"
+        + (f" | {run.skipped} skipped" if run.skipped else ""))
+    run.t_log, run.steps_since_log = time.time(), 0
 
 
 # ------------------------------------------------------------------------------------------- set-up
-
-def _resume_point(model_cfg: ModelConfig, cfg: TrainConfig,
-                  ctx: distributed.Context) -> tuple[str | None, dict | None]:
-    """With --resume: the newest intact checkpoint's path and metadata; else (None, None), refusing an out_dir
-    that holds another run's checkpoints."""
-    if not cfg.resume:
-        existing = checkpoint.checkpoint_paths(cfg.out_dir)
-        if existing:
-            raise cli.InUseError(f"{cfg.out_dir} already holds checkpoints of another run "
-                                 f"({os.path.basename(existing[-1])}): pass --resume to continue it, or "
-                                 "choose another --out_dir")
-        return None, None
-    path, meta = distributed.on_main(ctx, lambda: checkpoint.newest_intact(cfg.out_dir, set_aside=True))
-    saved, current = meta["model_config"], asdict(model_cfg)
-    if saved != current:
-        diff = {k for k in saved.keys() | current.keys() if saved.get(k, "(none)") != current.get(k, "(none)")}
-        raise ConfigError(f"--resume: the model config differs from the checkpoint's in {sorted(diff)}")
-    return path, meta
-
-
-def _open_data(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, micro: int,
-               resume: dict | None) -> tuple[shards.ShardLoader, shards.ShardLoader]:
-    """The train and val loaders of this rank, checked against the model and the checkpoint resumed from."""
-    directory = distributed.on_main(ctx, lambda: corpus.data_dir(cfg.data))  # rank 0 prepares the embedded corpus
-    shards.load_meta(directory, model_cfg.vocab_size)  # an unprepared folder fails here, with how to prepare it
-    train_loader = shards.ShardLoader(directory, "train", micro, cfg.seq_len, rank=ctx.rank,
-                                      world_size=ctx.world_size, seed=cfg.seed, step_batch=cfg.batch_size)
-    # Validation reads the first eval_batches x batch_size windows in order, whatever the world size.
-    val_loader = shards.ShardLoader(directory, "val", micro, cfg.seq_len, rank=ctx.rank,
-                                    world_size=ctx.world_size, shuffle=False, step_batch=cfg.batch_size)
-    if val_loader.info != train_loader.info:
-        raise shards.DataError(f"{directory}: the train shards hold {train_loader.info} tokens but the val shards "
-                               f"{val_loader.info}")
-    shards.check_vocab(train_loader.info, model_cfg.vocab_size)
-    if resume is not None and resume.get("data", train_loader.info) != train_loader.info:
-        raise shards.DataError(f"--resume: the checkpoint was trained on {resume['data']} tokens but data={cfg.data} "
-                               f"holds {train_loader.info} tokens: resume on the data the run started with")
-    return train_loader, val_loader
-
 
 def _build(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, model: Model | None,
            groups: list[dict] | None) -> tuple[Model, nn.Module, torch.optim.Optimizer]:

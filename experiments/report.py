@@ -198,7 +198,7 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
              f"{meta['date']}. Val PPL: byte-level perplexity on 16K held-out tokens (two plays never trained on). "
              f"tok/s: training throughput from log.jsonl, relative to the section's baseline. Saved activations: "
              f"bytes autograd keeps for backward in one step (meters.memory.saved_bytes, "
-             f"batch {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]}), relative to the baseline. Routing: eval.routing_analysis "
+             f"batch {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]}), relative to the baseline. Routing: infra.routing_analysis "
              f"on 32 held-out windows, "
              f"mean over receivers with 2+ sources of the per-token max weight and normalised entropy H(a)/log N, "
              f"averaged over tokens."]

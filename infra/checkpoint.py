@@ -31,7 +31,8 @@ import re
 import shutil
 import sys
 import warnings
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,11 @@ from torch.distributed.fsdp import FSDPModule
 from infra import cli
 from infra import distributed
 from infra import files
+from infra.config import ConfigError
+
+if TYPE_CHECKING:
+    from infra.config import TrainConfig
+    from model import ModelConfig
 
 _CKPT_NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
 META = "meta.json"
@@ -328,6 +334,25 @@ def remove(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.remove(path)
+
+
+def resume_point(model_cfg: ModelConfig, cfg: TrainConfig,
+                 ctx: distributed.Context) -> tuple[str | None, dict | None]:
+    """With --resume: the newest intact checkpoint's path and metadata; else (None, None), refusing an out_dir
+    that holds another run's checkpoints."""
+    if not cfg.resume:
+        existing = checkpoint_paths(cfg.out_dir)
+        if existing:
+            raise cli.InUseError(f"{cfg.out_dir} already holds checkpoints of another run "
+                                 f"({os.path.basename(existing[-1])}): pass --resume to continue it, or "
+                                 "choose another --out_dir")
+        return None, None
+    path, meta = distributed.on_main(ctx, lambda: newest_intact(cfg.out_dir, set_aside=True))
+    saved, current = meta["model_config"], asdict(model_cfg)
+    if saved != current:
+        diff = {k for k in saved.keys() | current.keys() if saved.get(k, "(none)") != current.get(k, "(none)")}
+        raise ConfigError(f"--resume: the model config differs from the checkpoint's in {sorted(diff)}")
+    return path, meta
 
 
 def main(argv: list[str]) -> str:

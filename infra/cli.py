@@ -50,8 +50,8 @@ class MissingPackageError(UserError, ModuleNotFoundError):
 
 
 class RankFailureError(UserError):
-    """Under torchrun, another rank hung or died (train.RankTimeoutError, train.RankLostError): `run` ends the
-    process without Python's shutdown (see the module doc)."""
+    """Under torchrun, another rank hung or died (distributed.RankTimeoutError, distributed.RankLostError): `run`
+    ends the process without Python's shutdown (see the module doc)."""
 
 
 class NetworkError(UserError, ConnectionError):

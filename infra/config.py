@@ -235,3 +235,21 @@ def _unknown(key: str, types: dict) -> ConfigError:
     close = difflib.get_close_matches(key, types, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def batch_split(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(micro-batch per rank, gradient accumulation steps) on world_size processes, or a clear error."""
+    if cfg.parallel == "fsdp" and world_size == 1:
+        raise ConfigError("parallel='fsdp' on a single process shards nothing: launch with "
+                          "`torchrun --nproc_per_node=N train.py ...` (N >= 2) or set parallel='ddp'")
+    if not cfg.micro_batch_size:
+        if cfg.batch_size % world_size:
+            raise ConfigError(f"batch_size={cfg.batch_size} does not split over {world_size} processes: launch a "
+                              f"number of processes that divides it, or set micro_batch_size")
+        return cfg.batch_size // world_size, 1
+    per_micro_step = cfg.micro_batch_size * world_size
+    if cfg.batch_size % per_micro_step:
+        raise ConfigError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size} "
+                          f"x world_size={world_size} = {per_micro_step}: change micro_batch_size or the number of "
+                          f"processes so that it divides the global batch")
+    return cfg.micro_batch_size, cfg.batch_size // per_micro_step

@@ -8,21 +8,28 @@ A config's `data` names a prepared folder, or "shakespeare", which `data_dir` pr
 preparation holds a lock on `data_dir/prepare.lock`, so processes that start at once prepare one after
 another, and the later ones find the work done.
 """
+from __future__ import annotations
+
 import contextlib
 import glob
 import importlib.util
 import json
 import os
 from itertools import islice
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from infra import cli
+from infra import distributed
 from infra import files
 from infra import shards
 from infra.tokenizer import ByteTokenizer, get_tokenizer
+
+if TYPE_CHECKING:
+    from infra.config import TrainConfig
+    from model import ModelConfig
 
 PREPARE_LOCK = "prepare.lock"
 SHAKESPEARE_DIR = os.path.join("data", "shakespeare")  # where data="shakespeare" is prepared
@@ -206,3 +213,23 @@ def data_dir(name: str) -> str:
         prepare_shakespeare(SHAKESPEARE_DIR)
         return SHAKESPEARE_DIR
     return name
+
+
+def open_loaders(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, micro: int,
+                 resume: dict | None) -> tuple[shards.ShardLoader, shards.ShardLoader]:
+    """The train and val loaders of this rank, checked against the model and the checkpoint resumed from."""
+    directory = distributed.on_main(ctx, lambda: data_dir(cfg.data))  # rank 0 prepares the embedded corpus
+    shards.load_meta(directory, model_cfg.vocab_size)  # an unprepared folder fails here, with how to prepare it
+    train_loader = shards.ShardLoader(directory, "train", micro, cfg.seq_len, rank=ctx.rank,
+                                      world_size=ctx.world_size, seed=cfg.seed, step_batch=cfg.batch_size)
+    # Validation reads the first eval_batches x batch_size windows in order, whatever the world size.
+    val_loader = shards.ShardLoader(directory, "val", micro, cfg.seq_len, rank=ctx.rank,
+                                    world_size=ctx.world_size, shuffle=False, step_batch=cfg.batch_size)
+    if val_loader.info != train_loader.info:
+        raise shards.DataError(f"{directory}: the train shards hold {train_loader.info} tokens but the val shards "
+                               f"{val_loader.info}")
+    shards.check_vocab(train_loader.info, model_cfg.vocab_size)
+    if resume is not None and resume.get("data", train_loader.info) != train_loader.info:
+        raise shards.DataError(f"--resume: the checkpoint was trained on {resume['data']} tokens but data={cfg.data} "
+                               f"holds {train_loader.info} tokens: resume on the data the run started with")
+    return train_loader, val_loader

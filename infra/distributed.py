@@ -30,6 +30,7 @@ CPU; any of the three can be asked for on any device):
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -38,7 +39,7 @@ import sys
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, TypeVar
+from typing import Callable, ContextManager, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,31 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t
+
+
+class RankTimeoutError(cli.RankFailureError, TimeoutError):
+    """Under torchrun: a collective waited more than dist_timeout_s for a rank that hung or died."""
+
+
+class RankLostError(cli.RankFailureError, ConnectionError):
+    """Under torchrun: another rank ended while this one waited for it."""
+
+
+@contextlib.contextmanager
+def rank_failures(ctx: Context, timeout_s: float) -> Iterator[None]:
+    """Around a run: what a collective raises when another rank never comes (RankTimeoutError) or has ended
+    (RankLostError), as one line for the user. torch gives these failures no type of their own: its message is
+    the only way to tell them apart."""
+    try:
+        yield
+    except RuntimeError as e:
+        reason = str(e).splitlines()[0]
+        if ctx.world_size > 1 and "timed out" in reason.lower():
+            raise RankTimeoutError(f"rank {ctx.rank} waited more than dist_timeout_s={timeout_s:g}s for the other "
+                                   f"ranks: one of them hung or died ({reason})") from e
+        if ctx.world_size > 1 and "closed by peer" in reason.lower():
+            raise RankLostError(f"rank {ctx.rank} lost another rank, which has ended ({reason})") from e
+        raise
 
 
 def on_main(ctx: Context, fn: Callable[[], T]) -> T:

@@ -171,6 +171,8 @@ def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] =
             seconds = stepper.step()
             if round >= 2:
                 times[name].append(seconds)
+            elif round == 0:
+                print(f"{name}: compiled and stepped once", file=sys.stderr, flush=True)
     return {name: {"seconds": statistics.median(t), "launches": steppers[name].launches} for name, t in times.items()}
 
 

@@ -13,9 +13,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
-# The one exemption: train.py's training loop stays one function, as nanoGPT's, so that a learner reads the whole
-# run (lr, micro-steps, the collective, skipping, logging, evaluation, saving, stopping) top to bottom.
+# The one exemption: train.py's training loop stays one function of one screen (about 60-80 lines), as nanoGPT's,
+# so that a learner reads the whole run (set-up, the end, saving, the step, logging, evaluation) top to bottom.
 LONG_FUNCTIONS = {("train.py", "training_loop")}
+LONGEST_LOOP = 80
 
 
 def python_files() -> list[str]:
@@ -141,7 +142,8 @@ def test_no_function_outside_the_kernels_is_over_60_lines():
         for node in ast.walk(parse(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES and (path, node.name) not in LONG_FUNCTIONS:
+                limit = LONGEST_LOOP if (path, node.name) in LONG_FUNCTIONS else MAX_FUNCTION_LINES
+                if node.end_lineno - start + 1 > limit:
                     long.append(f"{path}:{start} {node.name}: {node.end_lineno - start + 1} lines")
     assert not long
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from infra import checkpoint
+from infra import config
 from infra import cli
 from infra import corpus
 from infra import distributed
@@ -190,16 +191,16 @@ def test_time_budget_stops_early(tmp_path):
 
 def test_global_batch_must_divide_over_ranks_and_micro_batches():
     cfg = TrainConfig(batch_size=8, micro_batch_size=2)
-    assert [train.batch_split(cfg, world) for world in (1, 2, 4)] == [(2, 4), (2, 2), (2, 1)]
+    assert [config.batch_split(cfg, world) for world in (1, 2, 4)] == [(2, 4), (2, 2), (2, 1)]
     with pytest.raises(ValueError, match="batch_size=8 is not a multiple of micro_batch_size=2 x world_size=3 = 6"):
-        train.batch_split(cfg, 3)
+        config.batch_split(cfg, 3)
 
 
 def test_micro_batch_left_out_is_the_batch_over_the_world_size():
     cfg = TrainConfig(batch_size=8)
-    assert [train.batch_split(cfg, world) for world in (1, 2, 8)] == [(8, 1), (4, 1), (1, 1)]
+    assert [config.batch_split(cfg, world) for world in (1, 2, 8)] == [(8, 1), (4, 1), (1, 1)]
     with pytest.raises(ValueError, match="batch_size=8 does not split over 3 processes"):
-        train.batch_split(cfg, 3)
+        config.batch_split(cfg, 3)
 
 
 def test_fsdp_on_one_process_is_an_error(tmp_path):
