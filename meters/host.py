@@ -220,7 +220,14 @@ def main_steps(args: argparse.Namespace) -> None:
               + ("".join(f"{r['instructions'] / 1e6:>18.1f}" for r in rows) if args.instructions else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPE, "regions": REGIONS, "machine": runlog.machine(), "results": results}, f, indent=2)
+            json.dump({"shape": SHAPE, "regions": REGIONS, "machine": runlog.machine(), "threads": 1,
+                       "repeats": args.repeats, "commit": _commit(), "results": results}, f, indent=2)
+
+
+def _commit() -> str:
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return found.stdout.strip() or "unknown"
 
 
 def main() -> None:
