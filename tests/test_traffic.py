@@ -143,6 +143,21 @@ def test_the_host_meter_counts_launches_and_routing_time():
         assert host.keep_freed_memory()
 
 
+def test_the_whole_step_meter_takes_train_pys_step_per_compiled_region():
+    """meters.host --step: the optimizer step as train.py takes it, for each compiled region: the kernel path's
+    launches are skipped (eager, sublayers), the whole forward compiled on the reference path launches none,
+    and the step really trains (the optimizer moves the weights)."""
+    shape = dict(host.SHAPE, n_layers=2, n_blocks=2)
+    stepper = host.TrainStep("delta_block", "model", shape, backend="aot_eager")
+    before = [p.detach().clone() for p in stepper.model.parameters()]
+    assert stepper.step() > 0 and stepper.launches == 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, stepper.model.parameters()))
+    results = host.measure_steps(("baseline", "delta_block"), repeats=1, shape=shape, backend="aot_eager")
+    assert set(results) == {f"{m}/{r}" for m in ("baseline", "delta_block") for r in host.REGIONS}
+    assert results["delta_block/eager"]["launches"] == results["delta_block/sublayers"]["launches"] > 0
+    assert results["baseline/eager"]["launches"] == 0 and all(r["seconds"] > 0 for r in results.values())
+
+
 def test_skipped_launches_are_listed_and_never_described():
     """The host meter's skip: every launch in the block is listed by name and skipped (its output is never
     written), and no observer is asked (so nothing builds the launch's description)."""
