@@ -245,13 +245,13 @@ def _forward_config(d: int) -> tuple[triton.JITFunction, dict]:
     """The forward's kernel and tiles at width d. _group_fwd: R_BLOCK = 8 receivers a pass, blocks of CB = 16
     sources (tl.dot's K >= 16 for the read-out S^T P), a row in chunks of CHUNK = 256 columns (64 per warp:
     128-bit loads, K = 64 for the logits' products; 512 where they divide d), STAGES = 32 source rows in flight
-    (two blocks: the pipeline's depth); the interpreter takes chunks of 16 (several chunks, a masked tail at
-    d = 80 or 96), a grid of at most 3 persistent programs and fp32 products (F32_DOT). Wider rows:
+    (two blocks: the pipeline's depth); the interpreter takes chunks of 64 (two, one partly masked, at d = 80
+    or 96), a grid of at most 3 persistent programs and fp32 products (F32_DOT). Wider rows:
     _group_fwd_rows, one row per program on the CUDA cores, 8 receivers to d = 2048 and 4 at 4096, its STAGES
     source rows in flight (8; 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces), a split
     row (depth_kernels.launch.row_split) with a tail of at least two lanes per thread."""
     if d <= TENSOR_CORE_WIDTH:
-        chunk = 16 if interpreting() else 512 if d % 512 == 0 else 256   # (4 chunks of 256 spill at d = 1024)
+        chunk = 64 if interpreting() else 512 if d % 512 == 0 else 256   # (4 chunks of 256 spill at d = 1024)
         return _group_fwd, dict(R_BLOCK=8, CB=16, BLOCK_D=chunk * cdiv(d, chunk), CHUNK=chunk, W=4, STAGES=32,
                                 F32_DOT=interpreting(), num_warps=4,
                                 maxnreg=register_budget(4, PROGRAMS_PER_SM["_group_fwd"]))
