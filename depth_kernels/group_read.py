@@ -22,7 +22,10 @@ gradient accumulator per source, and gives each receiver the committed part of i
 
 This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
 loads; pipelined); phase 2, fused with the pre-norm, is depth_kernels/receiver_read.py:
-- `_group_fwd`: R receivers at once, one token row per program: (r_C, lse_C) per receiver;
+- `_group_fwd`: R receivers at once on tensor cores, per token row a small attention over its sources taken in
+  blocks of 16 (Z^T = rstd U S^T, then r_C += S^T P with the online softmax's rescaling once per block), in
+  persistent programs, two per SM (helpers: depth_kernels/group_tiles.py); `_group_fwd_rows` for rows wider
+  than d = 1280 (a row per program on the CUDA cores);
 - `_group_bwd`: R receivers at once (8 to d = 2048), their rows of a token taken in groups: the committed
   sources' gradients summed over the receivers, and their du.
 """
@@ -34,7 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depth_kernels.launch import SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, wave
+from depth_kernels.launch import (SourceTable, _sm_count, cdiv, interpreting, launch, register_budget, row_tiles,
+                                 wave)
+from depth_kernels.group_tiles import block_rows, chunk_cols, fold_block, parts_rows, query_parts
 from depth_kernels.tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
                                  row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
                                  table_source)
@@ -50,13 +55,73 @@ def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d):
     return row_mul(row_load(q_ptr, at, masks), row_load(g_ptr, at, masks))
 
 
+@triton.jit
+def _read_row(table, addresses, n_a, n_b, row, u, recv, recv_ok, state_ptr, lse_c_ptr, slab, M, d, eps,
+              A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, CB: tl.constexpr, A_STEP: tl.constexpr,
+              B_STEP: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
+              STAGES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Phase 1 at one token row: the table's sources folded in (a bf16 run CB sources a step, an fp32 or fp16
+    run one a step, as three bf16 parts), then r_C and lse_C stored (from acc, (W, CHUNK // W, R) per chunk)."""
+    start = row * d.to(tl.int64)
+    R: tl.constexpr = recv.shape[0]
+    m = tl.full((R,), float("-inf"), tl.float32)
+    l = tl.zeros((R,), tl.float32)
+    acc = ()
+    for c in tl.static_range(CHUNKS):
+        acc = acc + (tl.zeros((W, CHUNK // W, R), tl.float32),)
+    i = tl.arange(0, CB)
+    for a in tl.range(0, n_a, A_STEP, num_stages=STAGES // CB):
+        if A_DTYPE == tl.bfloat16:
+            s, ok = block_rows(addresses, a, a, n_a, start, d, A_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
+        else:
+            s = parts_rows(addresses, a, start, d, A_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, i == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
+    for b in tl.range(n_a, n_a + n_b, B_STEP, num_stages=STAGES // CB):
+        if B_DTYPE == tl.bfloat16:
+            s, ok = block_rows(addresses, b, b, n_a + n_b, start, d, B_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
+        else:
+            s = parts_rows(addresses, b, start, d, B_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, i == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
+    out = state_ptr + recv[None, None, :].to(tl.int64) * slab + start
+    for c in tl.static_range(CHUNKS):
+        cols = chunk_cols(c, CHUNK, W)                                        # (W, K, 1)
+        tl.store(out + cols, (acc[c] / l[None, None, :]).to(state_ptr.dtype.element_ty),
+                 mask=(cols < d) & recv_ok[None, None, :])
+    tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
+
+
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
 def _group_fwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, slab, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
-    """Phase 1 for receivers recv = r0 + [0, R_BLOCK) (those < n_recv) at token row program_id(0): r_C at
-    state_ptr + recv slab, lse_C at lse_c_ptr + recv M. q_ptr, g_ptr: the group's (n_recv, d) queries and
-    norm weights. A row is split (depth_kernels/tiles.py): BLOCK_D lanes of head, BLOCK_T of tail."""
+               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, CB: tl.constexpr,
+               A_STEP: tl.constexpr, B_STEP: tl.constexpr, C_MAX: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHUNK: tl.constexpr, W: tl.constexpr, STAGES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Phase 1 for receivers recv = r0 + [0, R_BLOCK) (those < n_recv) at token rows program_id(0), +
+    num_programs(0), ...: r_C at state_ptr + recv slab, lse_C at lse_c_ptr + recv M. q_ptr, g_ptr: the group's
+    (n_recv, d) queries and norm weights. A row's sources come in blocks of CB (a software pipeline STAGES // CB
+    blocks deep: STAGES source rows), each block's row in BLOCK_D // CHUNK chunks of CHUNK columns, a slice of
+    each for each of W warps. The table's addresses (C_MAX >= n_a + n_b of them) and the folded queries, split
+    into 16-bit parts, are made once per program (the queries' parts in shared memory)."""
+    recv = r0 + tl.arange(0, R_BLOCK)
+    recv_ok = recv < n_recv
+    j = tl.arange(0, C_MAX)
+    addresses = tl.load(table + j, mask=j < n_a + n_b, other=0)
+    u = query_parts(q_ptr, g_ptr, recv, recv_ok, d, tl.bfloat16, CHUNK, BLOCK_D // CHUNK, W)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0)):
+        _read_row(table, addresses, n_a, n_b, row, u, recv, recv_ok, state_ptr, lse_c_ptr, slab, M, d,
+                  eps, A_DTYPE, B_DTYPE, CB, A_STEP, B_STEP, CHUNK, BLOCK_D // CHUNK, W, STAGES, F32_DOT)
+
+
+@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
+def _group_fwd_rows(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_ptr, slab, M, d, eps,
+                    A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+    """Phase 1 on the CUDA cores for rows wider than _group_fwd's blocks fit in shared memory (d > 1280): as
+    _group_fwd, one token row per program (program_id(0)), its R_BLOCK running sums in registers; a row is
+    split (depth_kernels/tiles.py): BLOCK_D lanes of head, BLOCK_T of tail. BLOCK_M = 1: the rows a program
+    takes (meters/occupancy.py counts them)."""
+    tl.static_assert(BLOCK_M == 1)
     row = tl.program_id(0)
     recv = r0 + tl.arange(0, R_BLOCK)
     recv_ok = recv < n_recv
@@ -165,37 +230,54 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (meters/aot.py checks registers against it): phase 1 holds every
-# receiver's running sum of a row (forward) or its folded query and du (backward), so one program per SM, whose
-# software pipeline keeps the next rows of sources in flight.
-PROGRAMS_PER_SM = {"_group_fwd": 1, "_group_bwd": 1}
+# Programs per SM each kernel is built for (meters/aot.py checks registers against it). The forward
+# (tensor cores) holds a row's read-outs (R_BLOCK x d fp32, 80 registers a thread at d = 1280 on 4 warps) and
+# stages a block of sources and the queries' parts in shared memory (107 KB at d = 1280): two programs per SM, each
+# with its blocks of sources in flight. The others hold every receiver's running sum of a row (_group_fwd_rows) or
+# its folded query and du (backward): one program per SM, whose software pipeline keeps source rows in flight.
+PROGRAMS_PER_SM = {"_group_fwd": 2, "_group_fwd_rows": 1, "_group_bwd": 1}
+TENSOR_CORE_WIDTH = 1280   # the widest row _group_fwd takes: a block of 16 at 2048 and its queries' parts (8 x 2048
+                           # x 3 bf16) would not fit two programs' shared memory (_group_fwd_rows reads wider ones)
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
-def _group_config(d: int, backward: bool, element_size: int = 2) -> dict:
-    """Phase 1 keeps R_BLOCK receivers' rows of one token row in registers: their running sums (forward), or
-    their folded queries and du (backward, in GROUPS groups of R_BLOCK / GROUPS receivers whose go rows are
-    read per source, not held). 8 receivers to d = 2048, 4 at 4096: the backward's query and du tiles are then
-    (8, 2048) fp32 each, half the registers of an SM, and with go held as well they would spill. More receivers
-    than R_BLOCK read the sources again (forward) or in further launches. With one program per SM, the source
-    loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in flight
-    (meters/occupancy.py): as deep as registers and shared memory allow without spilling at the paper's
-    widths (checked by meters/aot.py: backward, 16-bit sources 8 stages to d = 1024 and 6 to 2048, else
-    4; forward 8, 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces). element_size: the
-    bytes of the table's sources. A row is split (depth_kernels.launch.row_split) with a tail of at least two
-    lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes; the
-    forward runs such rows on 8 warps (on 16 its tail would need 1024 lanes, no narrower than one tile)."""
-    block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
-    if interpreting():
-        return dict(R_BLOCK=16, **row_tiles(d, 4), STAGES=1, num_warps=4, **(dict(GROUPS=4) if backward else {}))
-    tiles = row_tiles(d, 8)
-    if backward:
-        stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
-        return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, **tiles, STAGES=stages, num_warps=8,
-                    maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
+def _forward_config(d: int) -> tuple[triton.JITFunction, dict]:
+    """The forward's kernel and tiles at width d. _group_fwd: R_BLOCK = 8 receivers a pass, blocks of CB = 16
+    sources (tl.dot's K >= 16 for the read-out S^T P), a row in chunks of CHUNK = 256 columns (64 per warp:
+    128-bit loads, K = 64 for the logits' products; 512 where they divide d), STAGES = 32 source rows in flight
+    (two blocks: the pipeline's depth); the interpreter takes chunks of 64 (two, one partly masked, at d = 80
+    or 96), a grid of at most 3 persistent programs and fp32 products (F32_DOT). Wider rows:
+    _group_fwd_rows, one row per program on the CUDA cores, 8 receivers to d = 2048 and 4 at 4096, its STAGES
+    source rows in flight (8; 6 at d <= 1024, where 8 would read per-row scalars in more 32-bit pieces), a split
+    row (depth_kernels.launch.row_split) with a tail of at least two lanes per thread."""
+    if d <= TENSOR_CORE_WIDTH:
+        chunk = 64 if interpreting() else 512 if d % 512 == 0 else 256   # (4 chunks of 256 spill at d = 1024)
+        return _group_fwd, dict(R_BLOCK=8, CB=16, BLOCK_D=chunk * cdiv(d, chunk), CHUNK=chunk, W=4, STAGES=32,
+                                F32_DOT=interpreting(), num_warps=4,
+                                maxnreg=register_budget(4, PROGRAMS_PER_SM["_group_fwd"]))
+    block_d, tiles = triton.next_power_of_2(d), row_tiles(d, 8)
     warps = 8 if tiles["BLOCK_T"] else 16
-    return dict(R_BLOCK=8 if block_d <= 2048 else 4, **tiles, STAGES=8 if block_d > 1024 else 6, num_warps=warps,
-                maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd"]))
+    return _group_fwd_rows, dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_M=1, **tiles,
+                                 STAGES=8 if block_d > 1024 else 6,
+                                 num_warps=warps, maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd_rows"]))
+
+
+@functools.cache   # a pure function of its arguments, asked at every launch
+def _group_config(d: int, backward: bool = True, element_size: int = 2) -> dict:
+    """The backward's tiles: R_BLOCK receivers' rows of one token row in registers, their folded queries and du,
+    in GROUPS groups of R_BLOCK / GROUPS receivers whose go rows are read per source, not held. 8 receivers to
+    d = 2048, 4 at 4096: the query and du tiles are then (8, 2048) fp32 each, half the registers of an SM, and
+    with go held as well they would spill. More receivers than R_BLOCK take further launches. With one program
+    per SM, the source loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in
+    flight (meters/occupancy.py): 16-bit sources 8 stages to d = 1024 and 6 to 2048, else 4.
+    element_size: the bytes of the table's sources. A row is split (depth_kernels.launch.row_split) with a tail of
+    at least two lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes."""
+    block_d = triton.next_power_of_2(d)
+    if interpreting():
+        return dict(R_BLOCK=16, **row_tiles(d, 4), STAGES=1, num_warps=4, GROUPS=4)
+    stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
+    return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, **row_tiles(d, 8), STAGES=stages, num_warps=8,
+                maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
 
 
 def receivers_per_pass(d: int) -> int:
@@ -203,22 +285,34 @@ def receivers_per_pass(d: int) -> int:
     return _group_config(d, backward=True)["R_BLOCK"]
 
 
-
 def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, state: Tensor,
                   lse_c: Tensor) -> None:
     """Phase 1 for the n_recv = len(queries) receivers of a group: state[r] = r_C (a slot), lse_c[r] (M,)."""
     first = table.tensors[0]
     M, d = first.numel() // first.shape[-1], first.shape[-1]
-    cfg = _group_config(d, backward=False)
+    kernel, cfg = _forward_config(d)
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
+    if kernel is _group_fwd:     # persistent: every SM's programs, rows program_id, + programs, ...
+        programs = min(M, 3 if interpreting() else _sm_count(first.device) * PROGRAMS_PER_SM["_group_fwd"])
+        cfg = dict(cfg, **_steps(table, cfg["CB"]))
+    else:
+        programs = M
     for r0 in range(0, n_recv, block):        # receivers beyond R_BLOCK: the sources are read again
         chunk = min(block, n_recv - r0)
         io = lambda: ([(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1)],  # noqa: E731
                       [state[r0:r0 + chunk, :first.numel()], lse_c[r0:r0 + chunk]])
-        launch(_group_fwd, M, io, first.device, dict(
+        launch(kernel, programs, io, first.device, dict(
             table=table.addresses, n_a=table.n_a, n_b=len(table.tensors) - table.n_a, q_ptr=queries,
             g_ptr=norm_weights, r0=r0, n_recv=n_recv, state_ptr=state, lse_c_ptr=lse_c, slab=state.shape[1], M=M,
             d=d, eps=eps, **table.dtype_args(), **cfg))
+
+
+def _steps(table: SourceTable, block: int) -> dict:
+    """_group_fwd's sources per step of its two source loops (a block of bf16 sources, or one fp32 or fp16 source
+    as three bf16 parts) and C_MAX, the table's length rounded up to a power of two (its addresses are loaded
+    once per program)."""
+    steps = {f"{run}_STEP": block if table.dtype(k) == tl.bfloat16 else 1 for k, run in enumerate("AB")}
+    return dict(steps, C_MAX=max(16, triton.next_power_of_2(len(table.tensors))))
 
 
 def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, go: Tensor, D: Tensor,

@@ -54,7 +54,7 @@ def bad(d, kernel="_route_fwd", launches=aot.api_launches(1280), **config):
 controls = {"odd width": bad(1283), "oversized tile": bad(4096, BLOCK_M=16, BLOCK_D=4096, BLOCK_T=0, num_warps=4),
             "padded row": bad(2048, BLOCK_M=1, BLOCK_D=4096, BLOCK_T=0),
             "unsplit row": bad(1280, BLOCK_D=2048, BLOCK_T=0),
-            "shallow pipeline": bad(4096, "_group_fwd", aot.model_launches(4096), STAGES=1)}
+            "shallow pipeline": bad(4096, "_group_fwd_rows", aot.model_launches(4096), STAGES=1)}
 print(json.dumps({"results": results, "controls": controls, "speed": kernels, "calibration": calibration,
                   "speed_problems": aot.speed_problems(kernels), "measured_problems": measured_problems}))
 """
@@ -77,7 +77,8 @@ def test_every_model_specialisation_streams_at_the_paper_widths(compiled):
     assert sorted(map(int, results)) == [768, 1024, 1280, 2048, 4096]
     for d, kernels in results.items():
         names = {k["name"].split()[0] for k in kernels}
-        assert {"_route_fwd", "_route_bwd", "_group_fwd", "_group_bwd", "_receiver_fwd", "_receiver_bwd"} <= names
+        assert {"_route_fwd", "_route_bwd", "_group_bwd", "_receiver_fwd", "_receiver_bwd"} <= names
+        assert ("_group_fwd" if int(d) <= 1280 else "_group_fwd_rows") in names, d   # tensor cores to 1280
         for k in kernels:
             assert k["problems"] == [], (d, k["name"], k["problems"])
             assert k["spill_bytes"] == 0 and k["accesses"].get("128", 0) > 0
@@ -114,8 +115,8 @@ def test_occupancy_at_the_paper_widths(compiled):
             if int(d) & (int(d) - 1) == 0:
                 assert k["occupancy"]["masked"] == 0, (d, k["name"])
             assert k["occupancy"]["masked"] < 1 / 3, (d, name)      # split rows: never a third of a row
-            if int(d) == 1280:
-                assert "BLOCK_T=256 " in name or "BLOCK_T=512 " in name, name
+            if int(d) == 1280:       # split rows, or phase 1's forward in chunks of 256 that cover the row
+                assert "BLOCK_T=256 " in name or "BLOCK_T=512 " in name or "CHUNK=256 " in name, name
                 assert k["occupancy"]["masked"] <= 0.2, name
 
 

@@ -319,7 +319,8 @@ def gpu_configs(monkeypatch):
     for module in (launch, group_read, receiver_read):
         monkeypatch.setattr(module, "interpreting", lambda: False)
     # caches of their own, so the interpreter's configurations do not meet the GPU's in either one
-    for module, name in ((group_read, "_group_config"), (receiver_read, "_receiver_config")):
+    for module, name in ((group_read, "_group_config"), (group_read, "_forward_config"),
+                         (receiver_read, "_receiver_config")):
         monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))
     return group_read, receiver_read
 
@@ -344,17 +345,22 @@ def test_phase_one_on_split_rows(d, nan_empty):
 
 
 def test_phase_one_splits_rows_as_a_gpu_does(monkeypatch):
-    """On a GPU a row's tail has at least two lanes per thread (512 on phase 1's 8 warps): the paper's d = 1280
-    is 1024 + 512 lanes in phase 1 and the receivers (8 warps backward, and forward phase 1 then runs on 8
-    warps, not 16), d = 80 and 96 one tile of 128 lanes, 768 one of 1024 (a tail of 512 would not save lanes)."""
+    """On a GPU phase 1's backward holds a row split with a tail of at least two lanes per thread (512 on its 8
+    warps): the paper's d = 1280 is 1024 + 512 lanes, d = 80 and 96 one tile of 128 lanes, 768 one of 1024 (a tail
+    of 512 would not save lanes). The forward takes rows to d = 1280 on tensor cores in chunks of 256 or 512
+    columns (64 or 128 a warp), none masked at the paper's widths, and wider ones a row per program, split as the
+    backward's."""
     group_read, receiver_read = gpu_configs(monkeypatch)
-    for backward in (False, True):
-        split = group_read._group_config(1280, backward=backward)
-        assert (split["BLOCK_D"], split["BLOCK_T"]) == (1024, 512), (backward, split)
-        for d, whole in ((80, 128), (96, 128), (768, 1024)):
-            one = group_read._group_config(d, backward=backward)
-            assert (one["BLOCK_D"], one["BLOCK_T"]) == (whole, 0), (d, backward, one)
-    assert group_read._group_config(1280, backward=False)["num_warps"] == 8
+    split = group_read._group_config(1280, backward=True)
+    assert (split["BLOCK_D"], split["BLOCK_T"]) == (1024, 512), split
+    for d, whole in ((80, 128), (96, 128), (768, 1024)):
+        one = group_read._group_config(d, backward=True)
+        assert (one["BLOCK_D"], one["BLOCK_T"]) == (whole, 0), (d, one)
+    for d in (768, 1024, 1280):
+        kernel, cfg = group_read._forward_config(d)
+        assert kernel is group_read._group_fwd and cfg["BLOCK_D"] == d and cfg["CHUNK"] // cfg["W"] >= 64, (d, cfg)
+    kernel, cfg = group_read._forward_config(2048)
+    assert kernel is group_read._group_fwd_rows and (cfg["BLOCK_D"], cfg["BLOCK_T"]) == (2048, 0), cfg
     assert (receiver_read._receiver_config(2048, 1280, backward=True)["BLOCK_T"]) == 512
 
 

@@ -1,0 +1,78 @@
+"""Phase 1's forward (depth_kernels/group_read.py) against a direct fp32 computation of its state, at awkward
+shapes: widths that are not a power of two or a multiple of the chunk, fewer token rows than programs and more
+(persistent programs), receiver counts that are not powers of two or exceed a pass, blocks of sources partly
+past the last, an fp32 source first (three bf16 parts) or 16-bit sources only, and the wide-row kernel. Without
+CUDA the kernels run under Triton's interpreter (tl.dot in fp32 there: F32_DOT)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # must be set before triton decorates the kernels
+
+import pytest  # noqa: E402
+
+from depth_kernels import group_read  # noqa: E402
+from depth_kernels.launch import source_table  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS = 1e-6
+
+
+def state_of(sources, queries, norm_weights):
+    """(r_C (R, M d), lse_C (R, M)) in fp64: Eq. 1 over the sources for each receiver."""
+    S = torch.stack([s.double().reshape(-1, s.shape[-1]) for s in sources])      # (C, M, d)
+    z = torch.einsum("cmd,rd->rcm", S, (queries * norm_weights).double())
+    z = z * torch.rsqrt(S.pow(2).mean(-1) + EPS)[None]
+    return torch.einsum("rcm,cmd->rmd", torch.softmax(z, 1), S).flatten(1), torch.logsumexp(z, 1)
+
+
+def run(n_sources, d, T, n_recv, first, rest, logit_scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(1, T, d, generator=g) * (0.5 + i % 3)).to(DEVICE, first if i == 0 else rest)
+               for i in range(n_sources)]
+    queries = (torch.randn(n_recv, d, generator=g) * logit_scale / d ** 0.5).to(DEVICE)
+    norm_weights = (1 + 0.2 * torch.randn(n_recv, d, generator=g)).to(DEVICE)
+    state = torch.full((n_recv, T * d), float("nan"), device=DEVICE)
+    lse = torch.full((n_recv, T), float("nan"), device=DEVICE)
+    group_read.group_forward(source_table(sources), queries, norm_weights, EPS, state, lse)
+    want_state, want_lse = state_of(sources, queries, norm_weights)
+    return state.double(), lse.double(), want_state, want_lse
+
+
+@pytest.mark.parametrize("n_sources,d,T,n_recv,first,rest", [
+    (1, 96, 5, 3, torch.float32, torch.bfloat16),      # the embedding alone: one fp32 source, three parts
+    (20, 80, 4, 3, torch.float32, torch.bfloat16),     # a block of 16 and one of 3 past it; a masked chunk
+    (17, 96, 7, 9, torch.bfloat16, torch.bfloat16),    # 16-bit sources only; 9 receivers: two passes (8 + 1)
+    (5, 64, 2, 5, torch.float32, torch.float32),       # fp32 only: every source in parts; fewer rows than programs
+    (3, 48, 6, 1, torch.float16, torch.float16),       # fp16 sources, one receiver
+], ids=["embedding", "blocks", "bf16-9recv", "fp32", "fp16"])
+def test_forward_state_is_eq1_over_the_committed_sources(n_sources, d, T, n_recv, first, rest):
+    """Products of exact 16-bit values and three-part queries: the logits within fp32's rounding (lse to 1e-5
+    absolute at logits ~1), the read-out within its two-part weights' 2^-16 of the sources' scale."""
+    state, lse, want_state, want_lse = run(n_sources, d, T, n_recv, first, rest)
+    assert not state.isnan().any() and not lse.isnan().any(), "unwritten (NaN) elements"
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=4 * 2.0 ** -16 * want_state.abs().max().item())
+
+
+def test_large_logits_keep_fp32_precision():
+    """Logits ~300: the queries' three parts keep each logit within some 2^-24 of |z| (one part would be 2^-9:
+    a weight off by tens of percent), so lse is right to 1e-5 of the logits' scale."""
+    state, lse, want_state, want_lse = run(12, 96, 3, 4, torch.float32, torch.bfloat16, logit_scale=300.0, seed=1)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=0)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=1e-4 * want_state.abs().max().item())
+
+
+def test_wide_rows_take_the_row_kernel(monkeypatch):
+    """Rows wider than the tensor-core kernel takes go a row per program to _group_fwd_rows (here forced at d =
+    96): the same state."""
+    monkeypatch.setattr(group_read, "TENSOR_CORE_WIDTH", 64)
+    monkeypatch.setattr(group_read, "_forward_config", group_read._forward_config.__wrapped__)
+    launched = []
+    launch = group_read.launch
+    monkeypatch.setattr(group_read, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
+    state, lse, want_state, want_lse = run(6, 96, 3, 3, torch.float32, torch.bfloat16)
+    assert launched == [group_read._group_fwd_rows]
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=1e-5 * want_state.abs().max().item())
