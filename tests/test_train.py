@@ -376,6 +376,14 @@ def test_help_lists_every_key_and_no_arguments_print_the_usage(script):
     assert bare.returncode == 2 and bare.stdout == "" and f"`python {script} --help` lists the keys" in bare.stderr
 
 
+@pytest.mark.parametrize("script", ["eval.py", "sample.py", "data.py"])
+def test_the_argparse_commands_print_usage_for_help_and_for_no_arguments(script):
+    helped = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage:")
+    bare = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and "usage:" in bare.stderr and "required" in bare.stderr
+
+
 def test_overrides_take_key_value_with_or_without_the_equals_sign():
     spaced = load_config(["configs/tiny_delta_block.py", "--max_steps", "5", "--resume", "--compile", "false",
                           "--lr", "1e-3", "--out_dir", "out/x"])
