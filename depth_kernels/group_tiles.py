@@ -41,7 +41,9 @@ def queries_chunk(q_ptr, g_ptr, recv, recv_ok, c: tl.constexpr, d, CHUNK: tl.con
     cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))
     at = recv[None, :, None] * d + cols
     mask = recv_ok[None, :, None] & (cols < d)
-    return tl.load(q_ptr + at, mask=mask, other=0.0) * tl.load(g_ptr + at, mask=mask, other=0.0)
+    # widened first: a 16-bit product would round u (and the interpreter's 16-bit values are bit patterns)
+    return tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32) * tl.load(g_ptr + at, mask=mask,
+                                                                                other=0.0).to(tl.float32)
 
 
 @triton.jit

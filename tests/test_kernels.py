@@ -248,7 +248,7 @@ STATES = [("delta", {}, 3, {}), ("delta", {"null_source": True}, 5, {"gate": Tru
 
 
 def run_state(cls, residual, options, group_size, router_options, scale, d=96):
-    """A depth state driven through 4 layers of stand-in sublayers v = tanh(y W_l) (B = 2, T = 7, width d):
+    """A depth state driven through 4 layers of stand-in sublayers v = tanh(y W_l + c_l) (B = 2, T = 7, width d):
     every sublayer input y_l and the gradients of a loss over them, of the embedding, the maps, the routers
     and the pre-norm weights; and the routers' logit bound (logit_bound)."""
     g = torch.Generator().manual_seed(3)
@@ -267,6 +267,11 @@ def run_state(cls, residual, options, group_size, router_options, scale, d=96):
         for norm in norms:
             norm.weight.copy_(1 + 0.2 * torch.randn(d, generator=g))
     maps = [(torch.randn(d, d, generator=g) / d ** 0.5).requires_grad_() for _ in range(2 * n_layers)]
+    # Biases, so that a zero read (x = r = 0 where a null source outweighs every other by e^-300) does not give a
+    # zero output: its partial block h - base would be 0, a source at rstd = eps^-1/2 = 1000 whose gradient loops
+    # through RMSNorm(0) (x 1000 again) at every later read, to 1e9 in the stream's gradient, where the two
+    # paths' cancelling sums differ by its ulp (64) in e's gradient of ~2: a test of fp32's width, not of a path.
+    biases = [0.3 * torch.randn(d, generator=g) for _ in range(2 * n_layers)]
     probes = [torch.randn(2, 7, d, generator=g) for _ in range(len(norms))]
     e = torch.randn(2, 7, d, generator=g).requires_grad_()
     leaves = [e, *maps, *routers.parameters(), *(n.weight for n in norms)]
@@ -276,7 +281,7 @@ def run_state(cls, residual, options, group_size, router_options, scale, d=96):
     ys = []
     for l in range(2 * n_layers):
         ys.append(state.input(norms[l]))
-        state.add(torch.tanh(ys[-1] @ maps[l].to(DEVICE)))
+        state.add(torch.tanh(ys[-1] @ maps[l].to(DEVICE) + biases[l].to(DEVICE)))
     if policy.final_read:
         ys.append(state.output(norms[-1]))
     loss = sum((y.float() * p.to(DEVICE)).sum() for y, p in zip(ys, probes))

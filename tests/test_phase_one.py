@@ -22,17 +22,17 @@ EPS = 1e-6
 def state_of(sources, queries, norm_weights):
     """(r_C (R, M d), lse_C (R, M)) in fp64: Eq. 1 over the sources for each receiver."""
     S = torch.stack([s.double().reshape(-1, s.shape[-1]) for s in sources])      # (C, M, d)
-    z = torch.einsum("cmd,rd->rcm", S, (queries * norm_weights).double())
+    z = torch.einsum("cmd,rd->rcm", S, queries.double() * norm_weights.double())
     z = z * torch.rsqrt(S.pow(2).mean(-1) + EPS)[None]
     return torch.einsum("rcm,cmd->rmd", torch.softmax(z, 1), S).flatten(1), torch.logsumexp(z, 1)
 
 
-def run(n_sources, d, T, n_recv, first, rest, logit_scale=1.0, seed=0):
+def run(n_sources, d, T, n_recv, first, rest, logit_scale=1.0, seed=0, params=torch.float32):
     g = torch.Generator().manual_seed(seed)
     sources = [(torch.randn(1, T, d, generator=g) * (0.5 + i % 3)).to(DEVICE, first if i == 0 else rest)
                for i in range(n_sources)]
-    queries = (torch.randn(n_recv, d, generator=g) * logit_scale / d ** 0.5).to(DEVICE)
-    norm_weights = (1 + 0.2 * torch.randn(n_recv, d, generator=g)).to(DEVICE)
+    queries = (torch.randn(n_recv, d, generator=g) * logit_scale / d ** 0.5).to(DEVICE, params)
+    norm_weights = (1 + 0.2 * torch.randn(n_recv, d, generator=g)).to(DEVICE, params)
     state = torch.full((n_recv, T * d), float("nan"), device=DEVICE)
     lse = torch.full((n_recv, T), float("nan"), device=DEVICE)
     group_read.group_forward(source_table(sources), queries, norm_weights, EPS, state, lse)
@@ -61,6 +61,17 @@ def test_large_logits_keep_fp32_precision():
     a weight off by tens of percent), so lse is right to 1e-5 of the logits' scale."""
     state, lse, want_state, want_lse = run(12, 96, 3, 4, torch.float32, torch.bfloat16, logit_scale=300.0, seed=1)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=0)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=1e-4 * want_state.abs().max().item())
+
+
+def test_16_bit_router_parameters_fold_in_fp32():
+    """Under precision="bf16-params" the queries and key-norm weights are bf16: u = q g is their fp32 product
+    (a bf16 product would round it to 2^-9), and under the interpreter 16-bit values are widened before any
+    arithmetic (its 16-bit tensors are bit patterns: a product of them is not finite)."""
+    state, lse, want_state, want_lse = run(17, 32, 5, 3, torch.bfloat16, torch.bfloat16, logit_scale=30.0,
+                                           params=torch.bfloat16)
+    assert lse.isfinite().all() and state.isfinite().all()
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, want_state, rtol=0, atol=1e-4 * want_state.abs().max().item())
 
 

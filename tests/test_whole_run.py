@@ -80,6 +80,7 @@ def train_steps(overrides: dict, micro_steps: int = 1, checkpointing: bool = Fal
     """STEPS optimizer steps through the kernel path -> live bytes and routing states after each, and the losses.
     skip_at: that step's loss is non-finite and its update is skipped (as train.py does); abandon_at: that
     step raises between forward and backward, and the next step goes on."""
+    gc.collect()      # what earlier tests left in cycles (a failed test's traceback holds its model) is not ours
     torch.manual_seed(0)
     model = Model(ModelConfig(**{**SMALL, **overrides}, kernel="triton")).to(DEVICE)
     if checkpointing:
