@@ -1,7 +1,8 @@
-"""The depth sweep's model (python -m experiments.sweep --depth): the sweep's miniature model (configs/sweep_l12.py) at the depth of
-the paper's 1044M model, 36 layers, narrowed to d = 32 so that baseline, attnres, delta_block and delta at 36
-and 12 layers, 3 seeds each, train in about 2 hours on one CPU core (the reference path's fine-grained delta
-stacks up to 73 sources per sublayer: 1.5 s a step at 36 layers). The 12-layer runs override n_layers only."""
+"""The depth sweep's model (python -m experiments.sweep --depth): the sweep's miniature model
+(configs/sweep_l12.py) at the depth of the paper's 1044M model, 36 layers, narrowed to d = 32 so that baseline,
+attnres, delta_block and delta at 36 and 12 layers train in minutes a run on one CPU core (the reference path's
+fine-grained delta stacks up to 73 sources per sublayer: 1.5 s a step at 36 layers, 15-40 minutes a run;
+experiments/plan.py sets the seeds). The 12-layer runs override n_layers only."""
 from configs.sweep_l12 import *  # noqa: F401,F403
 
 d_model = 32

@@ -224,11 +224,6 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
     return "\n".join(lines) + "\n"
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True,
-                          cwd=ROOT).stdout.strip()
-
-
 def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: str) -> dict:
     """Write OUT/results.json, OUT/table.md and the plots from whatever runs of the plan have finished."""
     runs, sections = plan.runs, plan.sections
@@ -242,9 +237,9 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     model_cfg, train_cfg = load_config([plan.config])
     layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
     # uncommitted changes to the code, not to the results being rewritten
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+    dirty = bool(runlog.git("status", "--porcelain", "--untracked-files=no", "--", ".",
                      f":!{os.path.relpath(os.path.abspath(out), ROOT)}"))
-    meta = {"command": command, "git_commit": git("rev-parse", "HEAD"), "git_dirty": dirty,
+    meta = {"command": command, "git_commit": runlog.git("rev-parse", "HEAD"), "git_dirty": dirty,
             "machine": runlog.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
             "model": f"L={layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
                      f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",

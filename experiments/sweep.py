@@ -5,7 +5,7 @@
                                                      # (runs/sweep/compare.md)
     python -m experiments.sweep --out results/sweep  # the same into the committed folder (what was published)
     python -m experiments.sweep --report_only        # rewrite the table, JSON and plots from the finished runs
-    python -m experiments.sweep --depth              # the depth sweep into runs/depth_sweep (30 runs, 4.5 core-hours)
+    python -m experiments.sweep --depth              # the depth sweep into runs/depth_sweep (80 runs, ~10 core-hours)
 
 One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and six comparisons:
   Table 1   baseline, attnres, full_attnres, delta, delta_block, delta_block with the paper's sources;
@@ -19,7 +19,8 @@ One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and 
   recipe    delta_block with each of the authors' recipe choices (init scale, decay, whole-model bf16).
 --depth trains another plan: the paper's depth claim (AttnRes falls behind the baseline at 36 layers, additive
 routing does not) on configs/sweep_depth.py (d = 32): baseline, attnres, delta_block and delta at 36 and at 12
-layers, equal steps, 3 seeds each, and the grid's block points (boundary states) at 36; its plots add depth.png (the paired PPL change vs the baseline by depth).
+layers, equal steps, 8 seeds each, and the grid's block points (boundary states) at 36; its plots add depth.png
+(the paired PPL change vs the baseline by depth).
 Two runs train at once, one thread each (--jobs, --threads); runs shared between tables are trained once.
 A run whose log.jsonl has its final record is skipped, so an interrupted sweep continues where it stopped.
 Writes OUT/runs/<run>/ (log.jsonl, stdout.txt, routing.json, checkpoint), OUT/results.json, OUT/table.md and

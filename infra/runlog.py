@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import resource
+import subprocess
 
 import torch
 
@@ -50,6 +51,8 @@ class Logger:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
         self.file = open(os.path.join(cfg.out_dir, "log.jsonl"), "a")
+        # every start (a resumed run's too) says where it trains: runs compare only within one machine and commit
+        self.file.write(json.dumps({"provenance": provenance()}) + "\n")
         if cfg.wandb:
             try:
                 import wandb
@@ -77,13 +80,32 @@ class Logger:
 
 
 def machine() -> dict:
-    """What a measurement ran on: platform, Python, the CPU's model name, cores and torch."""
+    """What a measurement ran on: platform, Python, the CPU's model name, cores, the ISA level torch's CPU
+    kernels dispatch to (AVX2, AVX512, ...: the same seed trains to different digits on different levels) and
+    torch."""
     cpu = "unknown"
     if os.path.isfile("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "torch": torch.__version__}
+            "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+
+
+def git(*args: str) -> str:
+    """git's answer in the repository this file belongs to; "" where there is no git or no repository."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=root).stdout.strip()
+    except OSError:
+        return ""
+
+
+def provenance() -> dict:
+    """What one run trained on: machine(), torch's threads, and the commit of the code (dirty: whether tracked
+    files differed from it). Two runs are compared only where these agree."""
+    commit = git("rev-parse", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {**machine(), "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty}
 
 
 def device_time_by_name(events, device_type=None) -> dict[str, dict]:

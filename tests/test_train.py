@@ -142,6 +142,11 @@ def test_jsonl_log_and_checkpoint_contents(tmp_path):
     assert {"lr", "grad_norm", "tok_per_s", "mfu", "step_time_s", "peak_mem_gb"} <= set(train_records[0])
     final = records[-1]
     assert final["final"] and final["val_loss"] == result["val_loss"]
+    # the first record says where the run trained: runs are compared only within one machine and commit
+    where = records[0]["provenance"]
+    assert where["isa"] == torch.backends.cpu.get_cpu_capability() and where["threads"] == torch.get_num_threads()
+    assert where["commit"] == (runlog.git("rev-parse", "HEAD") or "unknown") and where["torch"] == torch.__version__
+    assert re.fullmatch("[0-9a-f]{40}|unknown", where["commit"]) and where["cpu"] and isinstance(where["dirty"], bool)
     assert math.isclose(final["val_ppl"], math.exp(final["val_loss"]))
     ckpt = checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path)[-1])
     assert ckpt["step"] == 4 and ckpt["model_config"]["residual"] == "delta_block"
