@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num_fewshot", type=int, default=0)
     p.add_argument("--limit", type=int, help="at most this many documents per task")
     p.add_argument("--routing", action="store_true", help="routing weights and source similarity: JSON, PNG")
-    p.add_argument("--routing_windows", type=cli.positive_int, default=16, help="held-out windows to record routing over")
+    p.add_argument("--routing_windows", type=cli.positive_int, default=16,
+                   help="held-out windows to record routing over")
     p.add_argument("--out", help="routing output prefix (default: <first out_dir>/routing)")
     p.add_argument("--sample", metavar="PROMPT", help="generate text after PROMPT")
     p.add_argument("--max_new_tokens", type=int, default=200)

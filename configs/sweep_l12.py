@@ -1,5 +1,5 @@
-"""The sweep's model (experiments/plan.py): 12 layers, so Table 4's block counts 1, 2, 4, 6, 12 are the paper's (its 220M
-model has L = 12), at a width that trains several hundred steps a minute on one CPU core. Byte-level
+"""The sweep's model (experiments/plan.py): 12 layers, so Table 4's block counts 1, 2, 4, 6, 12 are the paper's (its
+220M model has L = 12), at a width that trains several hundred steps a minute on one CPU core. Byte-level
 Shakespeare; every run of the sweep overrides only the method and its routing options, the seed and the out_dir."""
 vocab_size = 257             # data.ByteTokenizer: 256 bytes + end of text
 d_model = 64

@@ -178,7 +178,8 @@ def full_plan() -> Plan:
                 "methods are granularity x use with deltas as sources; sources='states' swaps each delta for the "
                 "stream at the same place (the cumulative states of Sec. 2.2). Block sums and boundary deltas are "
                 "the same numbers (B_b = h~_{tau_{b+1}} - h~_{tau_b}); the authors' deltas are the alternating sums "
-                "of their code, with its other changes (commit timing, no partial, no read at sublayer 0).", grid, ("grid",)),
+                "of their code, with its other changes (commit timing, no partial, no read at sublayer 0).",
+                grid, ("grid",)),
         Section("Recipe: delta_block trained the authors' way, one difference at a time", "Each row changes one "
                 "choice of this repository's recipe to the authors' code's (docs/method.md, 'Recipe differences "
                 "from the authors' code'); the change vs the baseline is paired by seed. Saved activations are "

@@ -1,5 +1,5 @@
-"""The sweeps' plots: validation curves over seeds, PPL against the number of blocks, PPL change by depth and per grid point,
-and the routing weights of attnres against delta_block."""
+"""The sweeps' plots: validation curves over seeds, PPL against the number of blocks, PPL change by depth and per
+grid point, and the routing weights of attnres against delta_block."""
 from __future__ import annotations
 
 import os

@@ -144,7 +144,8 @@ def _ptxas(ptx: str) -> tuple[int, int]:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        out = subprocess.run([PTXAS, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{TARGET.arch}a", path, "-o", path + ".o"],
+        out = subprocess.run([PTXAS, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{TARGET.arch}a", path,
+                              "-o", path + ".o"],
                              capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", out).group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
@@ -170,7 +171,8 @@ def compile_one(name: str, spec: tuple, read_code: bool | None = None) -> Compil
 
 def programs_per_sm(name: str) -> int:
     """How many programs of a kernel are meant to share an SM (each kernel module says, with the reason)."""
-    return {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **receiver_read.PROGRAMS_PER_SM}[name.split()[0]]
+    per_sm = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **receiver_read.PROGRAMS_PER_SM}
+    return per_sm[name.split()[0]]
 
 
 def register_bound(num_warps: int, programs: int = 2) -> int:

@@ -232,7 +232,8 @@ def compiled_ratio(result: dict, flops_per_token: float) -> float:
                            (result["kernel_bytes_per_token"], result["kernel_seconds_per_token"]))
 
 
-REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs (the precision rule: infra/distributed.py)",
+REGIME_NAMES = {"autocast": "fp32 parameters and stream, bf16 sublayer outputs "
+                            "(the precision rule: infra/distributed.py)",
                 "bf16": "bf16 parameters, stream and outputs (the whole model cast to bf16, as the authors' code)"}
 GOALS = {"delta_block": (1.3e6, 0.97), "delta": (7.5e6, 0.85)}     # MB per token above the baseline, tok/s ratio
 ABOVE_BOUND = ("the grouped schedule's own bytes (meters/bound.py): phase 1's state written and read by "

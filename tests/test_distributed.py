@@ -1,7 +1,7 @@
-"""train.py under `torchrun --nproc_per_node=2` (gloo on CPU): DDP equals one process, FSDP2 equals DDP (also
-with the whole model in bf16), exact resume from a sharded checkpoint (also on another world size), disjoint rank windows, a time budget
-that stops every rank at the same step; and the command line under torchrun: the derived micro-batch, SIGTERM
-saving on every rank, one error line, a hung rank that ends the job.
+"""train.py under `torchrun --nproc_per_node=2` (gloo on CPU): DDP equals one process, FSDP2 equals DDP (also with
+the whole model in bf16), exact resume from a sharded checkpoint (also on another world size), disjoint rank
+windows, a time budget that stops every rank at the same step; and the command line under torchrun: the derived
+micro-batch, SIGTERM saving on every rank, one error line, a hung rank that ends the job.
 
 One torchrun launch runs every two-rank training (each launch costs seconds of start-up); this file is also
 that launch's worker (`__main__` below). The single-process references run in the pytest process.

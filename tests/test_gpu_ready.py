@@ -1,12 +1,12 @@
-"""The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU
-needed (meters/aot.py): every specialisation the model launches at the paper's widths compiles, spills
-nothing, fits its programs per SM, moves its tiles in 128-bit transfers, and keeps enough bytes in flight
-with few masked lanes (or a stated reason covers it). Five deliberately bad builds show that the rules can
-fail. From the machine code at d = 1280, the 1044M training kernels' predicted speed on an H200
-(meters/speed.py): the model against the H200's measurements of the kernels it was calibrated on, and
-the speed rule (aot.speed_problems: >= 60 % of the copy bandwidth, >= 2 programs per SM), which phase 1's backward
-as it was measured (one 8-warp program per SM, grid 128, 2.3 % of the copy bandwidth on the H200) breaks. The compiler runs in a fresh process: the other kernel tests put Triton in
-interpreter mode, which cannot compile."""
+"""The routing kernels compiled for an H100/H200 (sm_90) by the pinned Triton wheel on this machine, no GPU needed
+(meters/aot.py): every specialisation the model launches at the paper's widths compiles, spills nothing, fits its
+programs per SM, moves its tiles in 128-bit transfers, and keeps enough bytes in flight with few masked lanes (or a
+stated reason covers it). Five deliberately bad builds show that the rules can fail. From the machine code at d =
+1280, the 1044M training kernels' predicted speed on an H200 (meters/speed.py): the model against the H200's
+measurements of the kernels it was calibrated on, and the speed rule (aot.speed_problems: >= 60 % of the copy
+bandwidth, >= 2 programs per SM), which phase 1's backward as it was measured (one 8-warp program per SM, grid 128,
+2.3 % of the copy bandwidth on the H200) breaks. The compiler runs in a fresh process: the other kernel tests put
+Triton in interpreter mode, which cannot compile."""
 import json
 import os
 import subprocess

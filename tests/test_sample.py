@@ -30,7 +30,8 @@ def test_cached_and_uncached_greedy_generation_agree():
     idx = torch.randint(0, 256, (1, 5))
 
     def run(use_cache: bool, context: int) -> torch.Tensor:
-        return torch.cat(list(generation.generate(model, idx, 12, temperature=0, context=context, use_cache=use_cache)), 1)
+        tokens = generation.generate(model, idx, 12, temperature=0, context=context, use_cache=use_cache)
+        return torch.cat(list(tokens), 1)
 
     assert torch.equal(run(True, 32), run(False, 32))
     assert run(True, 8).shape == (1, 12)        # past the window: rebuilt from its newer half

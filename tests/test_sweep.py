@@ -1,5 +1,5 @@
-"""The sweep's machinery (experiments/) on a 2-run plan of a few steps: training, skipping finished runs, redoing an unfinished
-one, the equal wall-clock pacing, and the table and JSON it writes."""
+"""The sweep's machinery (experiments/) on a 2-run plan of a few steps: training, skipping finished runs, redoing an
+unfinished one, the equal wall-clock pacing, and the table and JSON it writes."""
 import json
 import os
 
@@ -89,7 +89,8 @@ def test_equal_wall_clock_pace(tmp_path):
     runs = [Run("t1_baseline_s0", {"residual": "baseline", "seed": 0}),
             Run("t1_baseline_s1", {"residual": "baseline", "seed": 1}),
             Run("t1_delta_s0", {"residual": "delta", "seed": 0}),
-            Run("wall_baseline_s0", {"residual": "baseline", "seed": 0}, pace_from=("t1_baseline_s0", "t1_baseline_s1")),
+            Run("wall_baseline_s0", {"residual": "baseline", "seed": 0},
+                pace_from=("t1_baseline_s0", "t1_baseline_s1")),
             Run("wall_delta_s0", {"residual": "delta", "seed": 0}, pace_from=("t1_delta_s0",))]
     budget = runner.wall_budget(runs, out, None)
     assert budget == 110.0

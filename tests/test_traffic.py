@@ -107,8 +107,9 @@ def test_the_lower_bound_is_a_hand_count_and_below_what_the_kernels_move():
 def test_occupancy_counts_a_launch_by_hand_and_the_prediction_uses_it():
     """Phase 1's forward at d = 1280 on 16-bit sources runs persistent programs (two per SM on a GPU), each a
     token row at a time in chunks that cover the row exactly (1280 columns, none masked), with its pipeline's
-    STAGES source rows in flight; a kernel short of what Little's law asks for is a problem; the compiled step ratio takes each
-    launch at the time its timer gives: slower kernels, a lower ratio, and every launch asked once."""
+    STAGES source rows in flight; a kernel short of what Little's law asks for is a problem; the compiled step
+    ratio takes each launch at the time its timer gives: slower kernels, a lower ratio, and every launch asked
+    once."""
     shape = dict(SHAPE_1044M, n_layers=2, n_blocks=2)
     counter = ByteCounter()
     dry_step(ModelConfig(**shape, residual="delta_block", kernel="triton"), (4, 1024), counter)

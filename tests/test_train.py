@@ -157,7 +157,8 @@ def test_resume_of_a_run_with_the_default_query_init(tmp_path):
     """The checkpoint records the config as given (query_init_std=None, never rewritten), so --resume with the
     same command finds the same config."""
     run(tmp_path, "--max_steps=1", "--gate")
-    assert checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path)[-1])["model_config"]["query_init_std"] is None
+    saved = checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path)[-1])
+    assert saved["model_config"]["query_init_std"] is None
     assert run(tmp_path, "--max_steps=2", "--gate", "--resume")["step"] == 2
 
 
