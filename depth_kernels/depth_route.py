@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depth_kernels.launch import (SourceTable, aligned, cdiv, interpreting, launch, register_budget, row_tiles,
-                                  source_table)
+from depth_kernels.interpreter import interpreting
+from depth_kernels.launch import SourceTable, aligned, cdiv, launch, register_budget, row_tiles, source_table
 from depth_kernels.tiles import (folded_query, logit, read_table, row_cols, row_colsum, row_div, row_dot, row_load,
                                  row_masks, row_offsets, row_own, row_scale, row_store, row_zeros, source_grad,
                                  table_source)

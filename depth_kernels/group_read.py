@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depth_kernels.launch import (SourceTable, _sm_count, cdiv, interpreting, launch, register_budget, row_tiles,
-                                 wave)
+from depth_kernels.interpreter import interpreting
+from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget, row_tiles, wave
 from depth_kernels.group_tiles import block_rows, chunk_cols, fold_block, parts_rows, query_parts
 from depth_kernels.tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
                                  row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,

@@ -1,31 +1,27 @@
-"""How the routing kernels are launched: address tables, launch observers, the device, registers per SM.
+"""How the routing kernels are launched: address tables, the device, registers per SM, row tiles.
 
 - A source read through an address table is an integer to the compiler, which then knows nothing of its
   alignment. `source_table` (or a `SourceList`, which checks sources one at a time as they are committed) makes
   every source contiguous and 16-byte aligned (copying the rare view that is not) and uploads the addresses in
   one copy; the kernels say so with tl.multiple_of, which turns their source loads into 128-bit loads. Host
   work is O(N) per table (its dtype order), and a forward read's table serves its backward.
-- Every launch goes through `launch`, which hands a description of it (kernel, arguments, what it reads and writes:
-  built only when someone observes, from the caller's `io` function) to observers first: meters/traffic.py
-  counts bytes with it, meters/aot.py compiles exactly the specialisations the model launches, and
-  meters/bench.py times the host path without launching; `skipped_launches` skips them unobserved
-  (meters/host.py). It runs the kernel on the tensors' device.
+- Every launch goes through `launch`, which runs the kernel on the tensors' device unless an observer of the
+  meters takes it (depth_kernels/observers.py).
 - `register_budget` is the per-thread register limit a kernel is built with, from how many of its programs
   should share an SM (each kernel module says, in PROGRAMS_PER_SM, and why).
 """
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, InterpreterError, TensorHandle
+
+from depth_kernels.interpreter import interpreting
+from depth_kernels.observers import IO, intercepted
 
 DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -34,59 +30,12 @@ ALIGN = 16   # bytes: every address the kernels read through a table is a multip
 H100_SMS = 132        # streaming multiprocessors assumed where no CUDA device says (the meta device)
 
 
-@dataclass
-class Launch:
-    """One kernel launch as observers see it: the kernel, its grid and keyword arguments (launch options
-    included), and what it reads and writes in full: tensors, or a SourceTable (every source in it), each
-    read the given number of times."""
-    kernel: triton.JITFunction
-    grid: int
-    args: dict
-    reads: list[tuple[Tensor | SourceTable, int]]
-    writes: list[Tensor]
-
-
-_observers: list[Callable[[Launch], bool]] = []
-_skipping: list[list[str]] = []      # the open skipped_launches blocks' lists of kernel names
-
-
-@contextmanager
-def observe_launches(observer: Callable[[Launch], bool]) -> Iterator[None]:
-    """Call observer(launch) before every launch in the block; the launch is skipped if it returns True
-    (so launches can be counted on meta tensors, or timed without a GPU)."""
-    _observers.append(observer)
-    try:
-        yield
-    finally:
-        _observers.remove(observer)
-
-
-@contextmanager
-def skipped_launches() -> Iterator[list[str]]:
-    """Skip every launch in the block, listing the kernels' names, without describing them to observers: the
-    host work of a GPU run less its launches (meters/host.py measures it so)."""
-    names: list[str] = []
-    _skipping.append(names)
-    try:
-        yield names
-    finally:
-        _skipping.remove(names)
-
-
-IO = Callable[[], tuple[list[tuple["Tensor | SourceTable", int]], list[Tensor]]]
-
-
 def launch(kernel: triton.JITFunction, grid: int, io: IO, device: torch.device, args: dict) -> None:
     """Launch kernel[(grid,)](**args) on `device`. io() -> (reads, writes): what the launch reads (tensors or
     SourceTables, with how many times) and writes, asked only when an observer is watching. args is a dict, not
     keywords: a call with some 60 keywords costs several us in Python's argument parsing (twice a receiver)."""
-    if _skipping:
-        _skipping[-1].append(kernel.fn.__name__)
+    if intercepted(kernel, grid, args, io):
         return
-    if _observers:
-        seen = Launch(kernel, grid, args, *io())
-        if any([observer(seen) for observer in _observers]):
-            return
     if device.type == "cuda":
         with torch.cuda.device(device):   # Triton launches on the current device, not the tensors'
             kernel[(grid,)](**args)
@@ -95,54 +44,6 @@ def launch(kernel: triton.JITFunction, grid: int, io: IO, device: torch.device, 
                            "to run them on CPU, or use kernel='reference'")
     else:
         kernel[(grid,)](**args)
-
-
-@triton.jit
-def _probe():
-    pass
-
-
-@functools.cache
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported): decided
-    once, as Triton decides it, though every launcher's configuration asks."""
-    return isinstance(_probe, InterpretedFunction)
-
-
-_interpreted_call = InterpretedFunction.__call__
-
-
-def _call_helper(self: InterpretedFunction, *args, **kwargs):
-    """A call of one of this package's jit helpers inside an interpreted kernel. Triton's interpreter patches
-    triton.language anew at every such call (a few ms: about half of the interpreted kernels' time, since the
-    helpers are called per source and per row); the kernel's launch has already patched the `tl` these
-    helpers use, so theirs run as they are. Triton's own helpers (tl.zeros, ...) use other modules and keep
-    the interpreter's call."""
-    if not self.fn.__module__.startswith(__package__ + "."):
-        return _interpreted_call(self, *args, **kwargs)
-    try:
-        return self.rewrite()(*args, **kwargs)
-    except Exception as e:
-        raise InterpreterError(repr(e)) from e
-
-
-_interpreted_cast = InterpreterBuilder.cast_impl
-
-
-def _cast_rounded(self: InterpreterBuilder, src: TensorHandle, dst_type: tl.dtype) -> TensorHandle:
-    """A cast in an interpreted kernel, fp32 -> bf16 rounded to nearest even, as a GPU's conversion (and torch's)
-    rounds it: Triton's interpreter truncates it, which would make every bf16 value an interpreted kernel writes
-    differ from the GPU's in half the cases (and a bf16 stream drift toward zero, add by add)."""
-    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-        return _interpreted_cast(self, src, dst_type)
-    values = torch.from_numpy(np.array(src.data, dtype=np.float32).reshape(-1))   # a copy: writable, contiguous
-    bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)   # bf16 is held as uint16 there
-    return TensorHandle(bits.reshape(np.shape(src.data)), dst_type.scalar)
-
-
-if interpreting():
-    InterpretedFunction.__call__ = _call_helper
-    InterpreterBuilder.cast_impl = _cast_rounded
 
 
 def aligned(t: Tensor) -> Tensor:

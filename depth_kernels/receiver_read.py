@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depth_kernels.launch import (DTYPES, SourceTable, cdiv, interpreting, launch, register_budget, row_tiles, slab_of,
-                                  slot_view, wave)
+from depth_kernels.interpreter import interpreting
+from depth_kernels.launch import DTYPES, SourceTable, cdiv, launch, register_budget, row_tiles, slab_of, slot_view, wave
 from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
                                  null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot,
                                  row_load, row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store,

@@ -39,7 +39,7 @@ from infra import checkpoint  # noqa: E402
 from infra import corpus  # noqa: E402
 import train  # noqa: E402
 from infra.config import TrainConfig  # noqa: E402
-from depth_kernels.launch import observe_launches  # noqa: E402
+from depth_kernels.observers import observe_launches  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 TOLERANCE = 1e-5      # |loss(kernel) - loss(reference)| at every step, fp32, 20 steps (see the docstring)

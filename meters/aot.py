@@ -41,7 +41,8 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from depth_kernels import depth_route, group_read, receiver_read
-from depth_kernels.launch import Launch, observe_launches, register_budget
+from depth_kernels.launch import register_budget
+from depth_kernels.observers import Launch, observe_launches
 from meters import sass
 from meters.occupancy import Occupancy, occupancy
 from meters.traffic import REGIMES, ByteCounter, dry_step

@@ -41,7 +41,8 @@ from infra import distributed
 from infra.config import TrainConfig, load_config
 from meters import traffic
 from depth_kernels.depth_route import depth_route, route_backward, route_forward
-from depth_kernels.launch import Launch, observe_launches, skipped_launches, source_table
+from depth_kernels.launch import source_table
+from depth_kernels.observers import Launch, observe_launches, skipped_launches
 from meters.traffic import ByteCounter
 from model import Model, ModelConfig
 from router import depth_route as reference

@@ -4,17 +4,17 @@
     python -m meters.host --json out.json
 
 A training step (forward, loss, backward) of the real model at the 1044M depth, with tiny tensors (d = 64, 1 x 16
-tokens: the tensor work is negligible) and every Triton launch skipped (depth_kernels.launch.skipped_launches), runs on
-the CPU; its time is host time, counted as the process's CPU time (one thread), so that time a shared machine gives
-to other work is not counted. Routing's host time is a method's step minus the baseline's (the baseline pays for
-its own sublayers, norms and autograd). Median of `repeats` steps after warm-up. The C library's allocator is
-told to keep freed memory (glibc's mallopt): as a GPU's caching allocator does, so that the pages of a step's
-buffers are not handed back to the system and faulted in again at the next step (a cost a GPU run never pays,
+tokens: the tensor work is negligible) and every Triton launch skipped (depth_kernels.observers.skipped_launches),
+runs on the CPU; its time is host time, counted as the process's CPU time (one thread), so that time a shared
+machine gives to other work is not counted. Routing's host time is a method's step minus the baseline's (the
+baseline pays for its own sublayers, norms and autograd). Median of `repeats` steps after warm-up. The C library's
+allocator is told to keep freed memory (glibc's mallopt): as a GPU's caching allocator does, so that the pages of a
+step's buffers are not handed back to the system and faulted in again at the next step (a cost a GPU run never pays,
 which on this machine made steps of one model differ by a few ms from process to process). Left out: Triton's own
-launcher (binding the arguments and the driver call, some tens of microseconds per launch on a GPU machine), so
-the count of launches per step is printed beside; and on a GPU, allocations and the address tables' copies are
-asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x
-1024 tokens, about 65 ms of H100 work, so 6.5 ms.
+launcher (binding the arguments and the driver call, some tens of microseconds per launch on a GPU machine), so the
+count of launches per step is printed beside; and on a GPU, allocations and the address tables' copies are
+asynchronous, which the CPU's are not. The budget the project sets: at most 10 % of a 1044M micro-step of 4 x 1024
+tokens, about 65 ms of H100 work, so 6.5 ms.
 
     python -m meters.host --step               # the whole optimizer step, per compiled region
     python -m meters.host --step --instructions # with callgrind's instruction counts beside
@@ -42,7 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from depth_kernels.launch import skipped_launches
+from depth_kernels.observers import skipped_launches
 from infra import distributed, runlog
 from infra.config import TrainConfig
 from model import Model, ModelConfig

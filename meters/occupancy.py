@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import triton
 
 from depth_kernels import depth_route, group_read, receiver_read
-from depth_kernels.launch import H100_SMS, Launch, SourceTable
+from depth_kernels.launch import H100_SMS, SourceTable
+from depth_kernels.observers import Launch
 
 LATENCY_S = 600e-9          # a global load's latency under load on sm_90 (HBM3)
 MIN_IN_FLIGHT = 16 * 1024   # bytes per SM the checks ask for: 3.35 TB/s x 600 ns / 132 SMs is about 15 KB

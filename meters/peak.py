@@ -7,7 +7,7 @@ It runs train.py's step (one micro-batch of 4 x 1024 tokens: the paper's 32 sequ
 on the meta device, where tensors have shapes and dtypes but no data: `model.Model` and AdamW are built
 there, then forward under autocast (the loss as train.py's), backward, clip_grad_norm_, optimizer.step() and
 zero_grad(set_to_none=True). Routing takes the kernel path (kernel="triton", as on a GPU) with every Triton
-launch skipped (depth_kernels.launch.skipped_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
+launch skipped (depth_kernels.observers.skipped_launches). `MemoryTracker`, a TorchDispatchMode, sees every op's
 outputs: each distinct storage counts its bytes once (views and in-place results share their input's
 storage), from the op that made it until it dies (a weak reference to the storage says when). So parameters,
 gradients (autograd allocates them through the dispatcher, on the calling thread for meta tensors), AdamW's
@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from depth_kernels.launch import skipped_launches
+from depth_kernels.observers import skipped_launches
 from meters.traffic import SHAPE_1044M, TOKENS_1044M
 from model import Model, ModelConfig, RMSNorm
 from router import METHODS

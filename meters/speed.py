@@ -31,7 +31,7 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from typing import Iterator
 
-from depth_kernels.launch import Launch
+from depth_kernels.observers import Launch
 from meters import aot, sass, traffic
 from meters.occupancy import COPY_BANDWIDTH, SMS, launch_seconds, occupancy
 from meters.traffic import ByteCounter, dry_step

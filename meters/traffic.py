@@ -8,7 +8,7 @@
 Routing is memory-bound (O(N d) work per token and sublayer on O(N d) bytes), so the bytes it moves are its
 cost. They are counted, not estimated, from what the code actually runs: one forward and backward of the
 real `model.Model` on the meta device (shapes and dtypes, no data, no GPU), where
-- every kernel launch is seen by `depth_kernels.launch.observe_launches` (the tensors it reads, with how many
+- every kernel launch is seen by `depth_kernels.observers.observe_launches` (the tensors it reads, with how many
   times, and writes) and skipped;
 - every torch op is seen by a TorchDispatchMode: it reads its tensor arguments and writes its outputs (views
   and allocations move nothing; a broadcast tensor counts its distinct elements once);
@@ -36,7 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from depth_kernels.launch import Launch, SourceTable, observe_launches
+from depth_kernels.launch import SourceTable
+from depth_kernels.observers import Launch, observe_launches
 from meters.bound import lower_bound
 from meters.occupancy import Occupancy, occupancy
 from typing import Callable

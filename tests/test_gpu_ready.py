@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict
 import triton.language as tl
 from meters import aot, speed
-from depth_kernels.launch import Launch
+from depth_kernels.observers import Launch
 
 every = aot.compile_all(jobs=os.cpu_count())
 results = {d: [dict(asdict(c), problems=aot.check(c), code=None) for c in compiled] for d, compiled in every.items()}

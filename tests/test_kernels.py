@@ -16,7 +16,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from depth_kernels.depth_route import depth_route  # noqa: E402
-from depth_kernels.launch import SourceList, observe_launches  # noqa: E402
+from depth_kernels.launch import SourceList  # noqa: E402
+from depth_kernels.observers import observe_launches  # noqa: E402
 from depth_kernels.grouped_state import GroupedDepthState  # noqa: E402
 from depth_kernels.groups import fine_group_size  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402

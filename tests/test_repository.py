@@ -159,9 +159,9 @@ def test_no_function_outside_the_kernels_is_over_60_lines():
 # The top level is the method and the commands a user runs; everything else lives in a package.
 TOP_LEVEL = {"router.py", "model.py", "train.py", "finetune.py", "eval.py", "sample.py", "data.py"}
 COMMANDS = {"train", "finetune", "eval", "sample", "data"}
-FAST_PATH = {"depth_kernels/" + name for name in ("__init__.py", "launch.py", "tiles.py", "depth_route.py",
-                                                  "group_read.py", "group_tiles.py", "receiver_read.py", "groups.py",
-                                                  "grouped_state.py")}
+FAST_PATH = {"depth_kernels/" + name for name in ("__init__.py", "launch.py", "observers.py", "interpreter.py",
+                                                  "tiles.py", "depth_route.py", "group_read.py", "group_tiles.py",
+                                                  "receiver_read.py", "groups.py", "grouped_state.py")}
 
 
 def test_the_top_level_holds_the_method_and_the_commands_only():

@@ -10,7 +10,8 @@ import torch
 
 from depth_kernels.depth_route import depth_route
 from depth_kernels.grouped_state import GroupedDepthState
-from depth_kernels.launch import SourceTable, observe_launches, skipped_launches
+from depth_kernels.launch import SourceTable
+from depth_kernels.observers import observe_launches, skipped_launches
 from meters import host
 from meters.bound import lower_bound
 from meters.occupancy import Occupancy, occupancy
