@@ -8,14 +8,14 @@
 
 The pretrained folder is read by infra/hf_qwen3.py, which adds routers at their initialisation; `export` writes a
 fine-tuned baseline back through it. The text is tokenised once with the checkpoint's own tokenizer;
-`val_text="wikitext2"` validates on WikiText-2's validation split instead, as the authors' fine-tuning does
-(their perplexity is WikiText-2's). The fine-tuning run reuses train.py's loop with separate optimizer groups:
-routers at router_lr_scale x the backbone's lr and no weight decay. Before the first step it measures how far the
-converted model is from the pretrained one (the same weights with routing switched off) on the first validation
-batch. With gate=True the difference is exactly 0. The paper's zero query without a gate is not an identity
-(docs/method.md, section 'Initialisation and identity') and the log says so: with boundary block sources the read
-is c * h~ and only RMSNorm's eps changes the logits (a small difference); with the paper's Fig. 3 sources the
-difference is large.
+`val_text="wikitext2"` validates on WikiText-2 (raw) instead: its test split, the one the authors' fine-tuning
+script loads for its perplexity (`"wikitext2:validation"` takes the validation split). The fine-tuning run
+reuses train.py's loop with separate optimizer groups: routers at router_lr_scale x the backbone's lr and no
+weight decay. Before the first step it measures how far the converted model is from the pretrained one (the
+same weights with routing switched off) on the first validation batch. With gate=True the difference is
+exactly 0. The paper's zero query without a gate is not an identity (docs/method.md, section 'Initialisation
+and identity') and the log says so: with boundary block sources the read is c * h~ and only RMSNorm's eps
+changes the logits (a small difference); with the paper's Fig. 3 sources the difference is large.
 """
 from __future__ import annotations
 
@@ -55,15 +55,17 @@ class FinetuneConfig:
     text: str = "fineweb"            # "fineweb" (FineWeb-Edu, streamed) or a .txt / .jsonl file or a folder of them
     text_max_tokens: int = 0         # training tokens to prepare into TrainConfig.data; 0: the whole text
     text_val_docs: int = 1000        # the first documents form the validation split
-    val_text: str = ""               # "": that split; "wikitext2": WikiText-2 (raw) validation, the authors' eval;
-                                     # or a local .txt / .jsonl / .parquet file, loaded through `datasets` the same way
+    val_text: str = ""               # "": that split; "wikitext2" (= "wikitext2:test"): WikiText-2 (raw)'s test
+                                     # split, as the authors' script; "wikitext2:validation"; or a local .txt /
+                                     # .jsonl / .parquet file, loaded through `datasets` the same way
 
     def __post_init__(self):
         check_ranges(self, {"router_lr_scale": NON_NEGATIVE,
                             "text": (lambda v: v.strip() != "", "'fineweb', or a .txt / .jsonl file or folder"),
-                            "val_text": (lambda v: v in ("", "wikitext2") or v.endswith(VAL_FILES),
-                                         "'' (text's first documents), 'wikitext2', or a .txt / .jsonl / "
-                                         ".parquet file"),
+                            "val_text": (lambda v: v == "" or v in WIKITEXT2_SPLITS or v.endswith(VAL_FILES),
+                                         "'' (text's first documents), 'wikitext2' (its test split, the "
+                                         "authors'), 'wikitext2:test', 'wikitext2:validation', or a .txt / "
+                                         ".jsonl / .parquet file"),
                             "text_max_tokens": (lambda v: v >= 0, "0 (the whole text) or integers >= 1"),
                             "text_val_docs": (lambda v: v >= 1, "integers >= 1")})
 
@@ -73,7 +75,15 @@ ROUTING_KEYS = ("residual", "n_blocks", "block_source", "include_partial", "null
 # val_text files by ending -> the `datasets` builder that reads them (each row's "text" field)
 VAL_FILES = (".txt", ".jsonl", ".parquet")
 VAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
-WIKITEXT2 = ("wikitext", "wikitext-2-raw-v1")   # Hugging Face dataset and config; split "validation"
+WIKITEXT2 = ("wikitext", "wikitext-2-raw-v1")   # Hugging Face dataset and config
+# val_text -> WikiText-2's split. The authors' fine-tuning script loads split="test", so plain "wikitext2" does.
+WIKITEXT2_SPLITS = {"wikitext2": "test", "wikitext2:test": "test", "wikitext2:validation": "validation"}
+
+
+def val_text_name(val_text: str) -> str:
+    """val_text as the stamp and meta.json record it: WikiText-2 with its split named ("wikitext2" ->
+    "wikitext2:test"), so shards of one split are never reused for the other."""
+    return f"wikitext2:{WIKITEXT2_SPLITS[val_text]}" if val_text in WIKITEXT2_SPLITS else val_text
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -122,7 +132,7 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
         stamp = {"tokenizer_sha256": hashlib.sha256(f.read()).hexdigest(), "text": ft.text,
                  "max_tokens": ft.text_max_tokens, "val_docs": ft.text_val_docs}
     if ft.val_text:  # only then: folders prepared without val_text keep their stamp
-        stamp["val_text"] = ft.val_text
+        stamp["val_text"] = val_text_name(ft.val_text)
     stamp_path, meta_path = os.path.join(out_dir, "finetune_text.json"), os.path.join(out_dir, "meta.json")
     if rank != 0:  # the stamp is written last, so shards and meta.json are complete once it exists
         while not (os.path.isfile(stamp_path) and os.path.isfile(meta_path)):
@@ -148,15 +158,16 @@ def prepare_text(ft: FinetuneConfig, out_dir: str, rank: int = 0) -> dict:
 
 
 def load_val_text(source: str, cache_dir: str) -> str:
-    """The text of val_text through `datasets`: WikiText-2 raw's validation split from the hub, or a local file
-    (one row per line of a .txt, per object of a .jsonl, per row of a .parquet), rows joined by blank lines as
-    Hugging Face's perplexity guide joins WikiText's."""
+    """The text of val_text through `datasets`: a split of WikiText-2 raw from the hub (WIKITEXT2_SPLITS), or a
+    local file (one row per line of a .txt, per object of a .jsonl, per row of a .parquet), rows joined by blank
+    lines as Hugging Face's perplexity guide joins WikiText's."""
     try:
         import datasets
     except ImportError:
         raise cli.MissingPackageError(f"val_text={source!r} needs `datasets`: pip install datasets") from None
-    if source == "wikitext2":
-        args, kwargs, what = WIKITEXT2, {"split": "validation"}, "/".join(WIKITEXT2) + " (validation)"
+    if source in WIKITEXT2_SPLITS:
+        split = WIKITEXT2_SPLITS[source]
+        args, kwargs, what = WIKITEXT2, {"split": split}, f"{'/'.join(WIKITEXT2)} ({split})"
     else:
         if not os.path.isfile(source):
             raise cli.NotFoundError(f"val_text={source!r}: no such file")
@@ -184,7 +195,7 @@ def replace_val_split(source: str, out_dir: str, tokenizer: str, meta: dict) -> 
     for path in sorted(glob.glob(os.path.join(out_dir, "val_*.bin"))):
         os.replace(path, os.path.join(out_dir, "text_" + os.path.basename(path)))
     shards.write_shard(os.path.join(out_dir, "val_000000.bin"), ids, tok.vocab_size, tok.name)
-    meta = {**meta, "val_text": source, "val_tokens": len(ids), "text_val_tokens": meta["val_tokens"],
+    meta = {**meta, "val_text": val_text_name(source), "val_tokens": len(ids), "text_val_tokens": meta["val_tokens"],
             "n_shards": {**meta["n_shards"], "val": 1, "text_val": meta["n_shards"]["val"]}}
     files.write_json(os.path.join(out_dir, "meta.json"), meta)
     return meta

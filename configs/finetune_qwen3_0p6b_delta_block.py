@@ -8,12 +8,14 @@ from configs.finetune_qwen3_0p6b import *  # noqa: F401,F403
 
 residual = "delta_block"
 n_layers = 28                # must match the checkpoint; set so that n_blocks = 28 validates
-n_blocks = 28                # a block per layer, as in the paper's Qwen3-0.6B runs (Table 2: N = 28)
+n_blocks = 28                # a block per layer, as in the paper's Qwen3-0.6B runs (Table 2: N = 28); the
+                             # authors' fine-tuning script defaults to 4 blocks (--n_blocks=4)
 null_source = True
 learned_null = True          # the authors' code: a learned null vector per receiver, zero at init (so it starts
                              # as the constant zero source)
-# The paper used gate=False: a zero query and a null source, which is NOT an identity at step 0 (the step-0
-# log line measures it). gate=True adds a zero-initialised scalar gate per receiver, an exact identity at step
+# The paper used gate=False and states zero queries: with a null source, NOT an identity at step 0 (the step-0
+# log line measures it). The authors' fine-tuning script draws the queries at N(0, 0.02) instead
+# (--query_init_std=0.02). gate=True adds a zero-initialised scalar gate per receiver, an exact identity at step
 # 0, with queries from N(0, 0.02): the recommended choice (docs/method.md, "Correction 2", says why).
 gate = False
 out_dir = "out/ft_qwen3_0p6b_delta_block"

@@ -1,6 +1,6 @@
 """The step-0 loss jump of fine-tuning (the paper's Sec. 3.5 and Table 5), measured on a small pretrained model.
 
-    python -m experiments.step0                          # into runs/finetune_step0 (about 5 minutes on one core)
+    python -m experiments.step0                          # into runs/finetune_step0 (a few minutes on one core)
     python -m experiments.step0 --out results/finetune_step0   # the committed figures
 
 The paper narrates that converting a pretrained Qwen3-0.6B to AttnRes makes the loss jump from 2.8 to 3.96 at
@@ -9,7 +9,9 @@ step 0, and that Delta Block does not. Here the same conversion is measured: a b
 (infra/hf_qwen3.save_hf_qwen3) and read back into each routed method with fresh routers (load_hf_qwen3, as
 finetune.py reads the released checkpoint), and finetune.step0_check gives the validation loss of the
 pretrained and the converted model on the same held-out windows before any step, and their largest logit
-difference. Nothing is trained after the conversion: the jump is what the first step starts from.
+difference. Nothing is trained after the conversion: the jump is what the first step starts from. The routers'
+queries start at zero, as the paper states, or, where a label says "random queries", at N(0, 0.02) as the
+authors' fine-tuning script draws them (one seeded draw, ROUTER_SEED).
 
 Writes OUT/step0.json (one entry per conversion) and OUT/step0.png (the jump per conversion).
 """
@@ -23,31 +25,40 @@ import torch
 
 import finetune
 from experiments.runner import final_record, train_one
-from infra import corpus, files
+from infra import checkpoint, corpus, files
 from infra.config import load_config
 from infra.hf_qwen3 import load_hf_qwen3, save_hf_qwen3
 from infra import trained
 
 CONFIG = "configs/sweep_l12.py"
-# label -> the ModelConfig routing fields of the conversion (finetune.ROUTING_KEYS); L = 12 layers here.
+RANDOM_QUERIES = {"query_init_std": 0.02}   # the authors' fine-tuning routers: an nn.Linear(d, 1) at N(0, 0.02)
+ROUTER_SEED = 0                              # the random queries' draw, so that reruns give the same figures
+# label -> the ModelConfig routing fields of the conversion (finetune.ROUTING_KEYS, query_init_std); L = 12 layers
+# here. N = L is one reading of the paper's Qwen3-0.6B runs (Table 2's N = 28); the authors' fine-tuning script
+# defaults to 4 blocks. Queries are zero (the paper's statement) unless named, or gate=True (N(0, 0.02)).
 CONVERSIONS = {
-    "attnres, a block per layer (Table 5: N = L)": {"residual": "attnres", "n_blocks": 12},
+    "attnres, a block per layer (N = L)": {"residual": "attnres", "n_blocks": 12},
     "attnres, 4 blocks": {"residual": "attnres", "n_blocks": 4},
+    "attnres, a block per layer (N = L), random queries": {"residual": "attnres", "n_blocks": 12, **RANDOM_QUERIES},
+    "attnres, 4 blocks, random queries": {"residual": "attnres", "n_blocks": 4, **RANDOM_QUERIES},
     "full_attnres": {"residual": "full_attnres"},
-    "delta_block, a block per layer, null source (Table 5's config)": {"residual": "delta_block", "n_blocks": 12,
-                                                                       "null_source": True},
+    "delta_block, a block per layer (N = L), null source": {"residual": "delta_block", "n_blocks": 12,
+                                                            "null_source": True},
     "delta_block, the authors' sources, null source": {"residual": "delta_block", "n_blocks": 12,
                                                        "block_source": "paper", "null_source": True},
     "delta_block, 4 blocks": {"residual": "delta_block", "n_blocks": 4},
+    "delta_block, a block per layer (N = L), null source, random queries": {
+        "residual": "delta_block", "n_blocks": 12, "null_source": True, **RANDOM_QUERIES},
+    "delta_block, 4 blocks, random queries": {"residual": "delta_block", "n_blocks": 4, **RANDOM_QUERIES},
     "delta_block, gate=True": {"residual": "delta_block", "n_blocks": 12, "gate": True},
     "delta": {"residual": "delta"},
 }
 
 
 def pretrain(out: str) -> str:
-    """The pretrained baseline's run folder (trained once; a finished run is reused)."""
+    """The pretrained baseline's run folder (trained once; a finished run with its checkpoint is reused)."""
     run_dir = os.path.join(out, "pretrained")
-    if final_record(run_dir) is None:
+    if final_record(run_dir) is None or not checkpoint.checkpoint_paths(run_dir):
         train_one([CONFIG, "--residual=baseline", "--seed=0", f"--out_dir={run_dir}"], run_dir, threads=1)
     return run_dir
 
@@ -56,10 +67,10 @@ def measure(hf_dir: str, overrides: dict) -> dict:
     """finetune.step0_check of the pretrained folder converted with `overrides`, on the sweep's held-out text."""
     _, cfg = load_config([CONFIG])
     cfg.data = corpus.data_dir(cfg.data)
-    torch.manual_seed(0)                  # the routers' init (zero queries unless gate=True: no draw at all)
+    torch.manual_seed(ROUTER_SEED)        # the routers' init: only random queries draw (gate=True's included)
     model = load_hf_qwen3(hf_dir, **overrides)
     entry = finetune.step0_check(model, cfg, torch.device("cpu"))
-    return {**entry, "overrides": overrides,
+    return {**entry, "overrides": overrides, "query_init_std": model.cfg.query_std,
             "jump": entry["val_loss_converted"] - entry["val_loss_pretrained"]}
 
 
@@ -97,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, overrides in CONVERSIONS.items():
         results[label] = measure(hf_dir, overrides)
         r = results[label]
-        print(f"{label:64s} val loss {r['val_loss_pretrained']:.4f} -> {r['val_loss_converted']:.4f} "
+        print(f"{label:68s} q~N(0, {r['query_init_std']:g}) val loss {r['val_loss_pretrained']:.4f} -> "
+              f"{r['val_loss_converted']:.4f} "
               f"(jump {r['jump']:+.4f}) | max |logit diff| {r['init_max_abs_logit_diff']:.2e}")
     files.write_json(os.path.join(args.out, "step0.json"),
                      {"config": CONFIG, "pretrained": final_record(run_dir), "conversions": results})

@@ -1,6 +1,7 @@
 """finetune.py: router learning rates, the step-0 identity check and its log, freezing the backbone, export,
 the prepared text and its reuse, validation on WikiText-2 (val_text, through `datasets`: local files and a stand-in
-for the hub), the CLI, and the paper's fine-tuning configs."""
+for the hub; its test split by default, as the authors' script), the CLI, the paper's fine-tuning configs, and
+experiments/step0.py."""
 import json
 
 import numpy as np
@@ -148,12 +149,16 @@ def test_paper_configs_fit_the_released_qwen3_0p6b(name):
                                           ("text_val_docs=0", "integers >= 1"),
                                           ("text_max_tokens=-5", r"0 \(the whole text\) or integers >= 1"),
                                           ("text=", "'fineweb', or a .txt / .jsonl file or folder"),
-                                          ("val_text=wiki.csv", r"'' \(text's first documents\), 'wikitext2'")])
+                                          ("val_text=wiki.csv", r"'' \(text's first documents\), 'wikitext2'"),
+                                          ("val_text=wikitext2:valid", r"'' \(text's first documents\), 'wikitext2' "
+                                           r"\(its test split, the authors'\), 'wikitext2:test', "
+                                           r"'wikitext2:validation', or a \.txt / \.jsonl / \.parquet file$")])
 def test_nonsense_finetune_values_name_key_value_and_allowed_values(arg, allowed):
     key, value = arg.split("=")
     shown = repr(value) if key in ("text", "val_text") else value     # string fields are shown quoted
-    with pytest.raises(ValueError, match=rf"^{key}={shown}: allowed values are {allowed}"):
+    with pytest.raises(ValueError, match=rf"^{key}={shown}: allowed values are {allowed}") as error:
         load_config([f"--{arg}"], classes=(ModelConfig, TrainConfig, FinetuneConfig))
+    assert "\n" not in str(error.value)
 
 
 # ----------------------------------------------------------------------------------------- val_text (WikiText-2)
@@ -193,29 +198,49 @@ def test_a_local_val_text_file_becomes_the_val_split(ckpts, corpus, tmp_path, su
         finetune.prepare_text(ft, str(tmp_path / "d"))
 
 
-def test_wikitext2_is_its_validation_split_and_an_unreachable_hub_is_one_line(ckpts, corpus, tmp_path,
-                                                                             monkeypatch):
+@pytest.fixture
+def hub(monkeypatch):
+    """A stand-in for `datasets.load_dataset` that records each call and returns VAL_ROWS."""
     datasets = pytest.importorskip("datasets")
-    folder, _ = ckpts["tied"]
     calls = []
 
-    def hub(*args, **kwargs):
+    def load_dataset(*args, **kwargs):
         calls.append((args, kwargs))
         return {"text": VAL_ROWS}
 
-    monkeypatch.setattr(datasets, "load_dataset", hub)
-    ft = FinetuneConfig(init_from=str(folder), text=str(corpus), text_val_docs=10, val_text="wikitext2")
-    finetune.prepare_text(ft, str(tmp_path / "d"))
-    (args, kwargs), = calls
-    assert args == ("wikitext", "wikitext-2-raw-v1") and kwargs["split"] == "validation"
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+@pytest.mark.parametrize("val_text, split", [("wikitext2", "test"), ("wikitext2:test", "test"),
+                                             ("wikitext2:validation", "validation")])
+def test_wikitext2_loads_the_split_asked_for_the_test_split_by_default(ckpts, corpus, tmp_path, hub, val_text,
+                                                                       split):
+    """Plain "wikitext2" is the test split, the one the authors' fine-tuning script loads; the split is named
+    in the stamp and meta.json, so a folder prepared from one split is not reused for the other."""
+    folder, _ = ckpts["tied"]
+    ft = FinetuneConfig(init_from=str(folder), text=str(corpus), text_val_docs=10, val_text=val_text)
+    meta = finetune.prepare_text(ft, str(tmp_path / "d"))
+    (args, kwargs), = hub
+    assert args == ("wikitext", "wikitext-2-raw-v1") and kwargs["split"] == split
+    assert meta["val_text"] == f"wikitext2:{split}"
     val = shards.read_shard(str(tmp_path / "d" / "val_000000.bin"))
     assert val.tolist() == val_tokens(folder, "\n\n".join(VAL_ROWS))
+    ft.val_text = "wikitext2:validation" if split == "test" else "wikitext2"
+    with pytest.raises(ValueError, match="holds shards prepared from"):
+        finetune.prepare_text(ft, str(tmp_path / "d"))
+
+
+def test_an_unreachable_hub_is_one_line(ckpts, corpus, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    folder, _ = ckpts["tied"]
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)\nmore")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    message = (r"^val_text='wikitext2': could not load wikitext/wikitext-2-raw-v1 \(validation\): "
+    ft = FinetuneConfig(init_from=str(folder), text=str(corpus), text_val_docs=10, val_text="wikitext2")
+    message = (r"^val_text='wikitext2': could not load wikitext/wikitext-2-raw-v1 \(test\): "
                r"ConnectionError: Couldn't reach 'wikitext' on the Hub \(LocalEntryNotFoundError\)$")
     with pytest.raises(shards.DataError, match=message):
         finetune.prepare_text(ft, str(tmp_path / "e"))
@@ -228,16 +253,22 @@ def test_step0_experiment_measures_each_conversion(tmp_path):
     """experiments/step0.py on a baseline of the sweep's model (random weights at std 0.5, so that the stream is
     large against RMSNorm's eps as in a trained model, saved as a Qwen3 folder): the gated conversion is exact,
     AttnRes's zero-query read is h~/N (only RMSNorm's eps moves the logits), the authors' Delta Block sources
-    are not an identity."""
+    are not an identity, and random queries (a seeded draw: the same figures twice) make the read non-uniform."""
     from experiments import step0
     from infra.hf_qwen3 import save_hf_qwen3
     from model import Model, ModelConfig
     model_cfg, _ = load_config([step0.CONFIG, "--init_std=0.5"])
     torch.manual_seed(0)
-    save_hf_qwen3(Model(model_cfg), str(tmp_path / "hf"))
-    gated = step0.measure(str(tmp_path / "hf"), step0.CONVERSIONS["delta_block, gate=True"])
-    assert gated["init_max_abs_logit_diff"] == 0.0 and gated["jump"] == 0.0
-    attnres = step0.measure(str(tmp_path / "hf"), step0.CONVERSIONS["attnres, a block per layer (Table 5: N = L)"])
+    hf = str(tmp_path / "hf")
+    save_hf_qwen3(Model(model_cfg), hf)
+    gated = step0.measure(hf, step0.CONVERSIONS["delta_block, gate=True"])
+    assert gated["init_max_abs_logit_diff"] == 0.0 and gated["jump"] == 0.0 and gated["query_init_std"] == 0.02
+    attnres = step0.measure(hf, step0.CONVERSIONS["attnres, 4 blocks"])
     assert 0 < attnres["init_max_abs_logit_diff"] < 1e-2 and abs(attnres["jump"]) < 1e-4
-    paper = step0.measure(str(tmp_path / "hf"), step0.CONVERSIONS["delta_block, the authors' sources, null source"])
+    assert attnres["query_init_std"] == 0.0
+    paper = step0.measure(hf, step0.CONVERSIONS["delta_block, the authors' sources, null source"])
     assert paper["init_max_abs_logit_diff"] > 1.0 and paper["jump"] > 1e-2
+    random = step0.measure(hf, step0.CONVERSIONS["attnres, 4 blocks, random queries"])
+    assert random["query_init_std"] == 0.02 and random["overrides"]["query_init_std"] == 0.02
+    assert random["init_max_abs_logit_diff"] > 10 * attnres["init_max_abs_logit_diff"]
+    assert step0.measure(hf, step0.CONVERSIONS["attnres, 4 blocks, random queries"]) == random
