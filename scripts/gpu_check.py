@@ -3,6 +3,7 @@
     bash scripts/gpu_check.sh [OUT.json]                      # = python -m scripts.gpu_check [--out OUT.json]
     python -m scripts.gpu_check --dry-run --out /tmp/dry.json   # any machine: the phases that need no GPU
     python -m scripts.gpu_check --multi-gpu                   # also train.py under torchrun (2+ GPUs)
+    python -m scripts.gpu_check --list                        # the phases, their caps and what each records
 
 Every phase runs in its own process (sys.executable -m scripts.gpu_check --phase NAME, or pytest) under its
 cap: one that overruns is killed with its process group and recorded as "timed out", one that exits non-zero
