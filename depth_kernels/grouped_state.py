@@ -17,8 +17,7 @@ runs the same policy with the kernels of depth_kernels/group_read.py:
   (the last to run backward) returns that accumulator to autograd, once. The partial block's gradient goes to h~
   in each receiver and, negated, to its base: summed over the group and returned once by the group's node;
 - where a sublayer output v_l is the next receiver's newest source (fine-grained methods), that receiver's node
-  also makes the stream's add h~_{l+1} = h~_l + v_l, so that its backward adds the stream's gradient into v_l's
-  accumulator in one op (GroupedDepthState.add says why).
+  also makes the stream's add h~_{l+1} = h~_l + v_l (docs/kernels.md#the-streams-add-inside-the-receivers says why).
 
 model.Model picks this state (model.uses_kernel) for CUDA tensors or when ModelConfig.kernel == "triton".
 """
@@ -127,8 +126,7 @@ class Receiver:
     accumulate: bool                  # False only for the very last receiver: its backward runs first
     base_to_group: bool               # its partial's base is the group's: the group returns the base's gradient
     sums_group: bool                  # the group's first receiver, whose h~ is the group's base
-    read: Read                        # the kernels' view of it (its tensors are the node's Inputs); with
-    # read.stream its node makes h~ = h~_l + v_l (GroupedDepthState.add)
+    read: Read                        # the kernels' view of it (its tensors are the node's Inputs)
 
     @property
     def slot(self) -> int:            # its row of the group's buffers
@@ -173,8 +171,7 @@ class ReceiverRead(torch.autograd.Function):
         inputs = Inputs(*ctx.saved_tensors)
         spec, bank = _take(ctx)
         group, read, h, base, null = spec.group, spec.read, inputs.h, inputs.base, inputs.null
-        # with read.stream dL/dh~_{l+1} is the read's and the stream's (its later users'): the kernel sums them
-        # into dh and adds that into v_l's accumulator too (every reader's, added by the kernels, + the stream's)
+        # with read.stream the kernel sums the read's and the stream's dL/dh~_{l+1} into dh, added to v_l's gradient
         accumulators = bank.pointers(read.table, spec.first)          # (the bank's buffers made at the first)
         dv, stream = (bank.grad(spec.owned[-1]), aligned(dh_stream)) if read.stream else (None, None)
         grads = group.receiver_grads(spec, h, base, accumulators, dv)
@@ -254,12 +251,9 @@ class GroupedDepthState(DepthState):
     def router(self) -> Router:
         return self.router_list[self.l - self.policy.reads_from]
 
-    # The stream's add h~_{l+1} = h~_l + v_l, where v_l is the next receiver's newest own source (fine-grained
-    # methods, in a group's second and later receivers: `adders`), is made by that receiver's node. Its backward
-    # then has the stream's gradient dL/dh~_{l+1}, and adds it to v_l's accumulator in one op (reading the fp32
-    # gradient and the accumulator, writing it: 8 bytes an element), where autograd would round it to v_l's dtype
-    # (6) and then add the bank's gradient of v_l (6). One rounding of the sum instead of two. Any other reader
-    # of h~ meanwhile (the h property) has the add made as usual.
+    # The stream's add h~_{l+1} = h~_l + v_l is made by the next receiver's node where v_l is its newest own
+    # source (`adders`; docs/kernels.md#the-streams-add-inside-the-receivers); any other reader of h~ meanwhile
+    # (the h property) has it made as usual.
 
     def settled(self) -> Tensor:
         """h~, an output still to add added now, as autograd adds (for any reader but the receiver that adds it)."""
@@ -368,9 +362,11 @@ class GroupedDepthState(DepthState):
         learned_null = router.null if self.policy.null_source else None
         null = NULL_NONE if not self.policy.null_source else NULL_ZERO if learned_null is None else NULL_LEARNED
         slot = receiver - group.first_receiver
-        read = Read(table, group.lse_c, group.lse, slot, group.queries, group.norm_weights, group.prenorm_weights,
-                    group.gates, null.value, self.eps, norm.eps, add, r_dtype, x_dtype, True, base is not None, self.M,
-                    h.shape[-1], h_dtype, h.device, group.saved_r if saves_r else None, adds)
+        read = Read(table=table, lse_c=group.lse_c, lse=group.lse, slot=slot, queries=group.queries,
+                    norm_weights=group.norm_weights, prenorm_weights=group.prenorm_weights, gates=group.gates,
+                    null=null.value, eps=self.eps, norm_eps=norm.eps, add=add, r_dtype=r_dtype, x_dtype=x_dtype,
+                    has_state=True, has_base=base is not None, M=self.M, d=h.shape[-1], h_dtype=h_dtype,
+                    device=h.device, saved_r=group.saved_r if saves_r else None, stream=adds)
         assert not adds or (base is None and owned[-1] == len(self.sources) - 1), "v_l is not the newest own source"
         spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
                         receiver == group.first_receiver and h is group.base, read)

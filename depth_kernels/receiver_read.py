@@ -30,17 +30,21 @@ from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_s
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
-def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, y_ptr, lse_ptr, null_ptr, r_ptr, v_ptr, hout_ptr, M, d, eps, norm_eps,
+def _receiver_fwd(table, n_a, n_b,                              # its own sources: an address table, two runs
+                  state_ptr, lse_c_ptr, slot, slab,               # phase 1's state; its slot of the group's
+                  h_ptr, base_ptr, null_ptr, v_ptr,               # the stream (or h~_l and v_l), base, null
+                  q_ptr, g_ptr, gate_ptr, has_gate, w_ptr,        # the group's parameters, (R, d) and (R,)
+                  y_ptr, lse_ptr, r_ptr, hout_ptr,                # what it writes
+                  M, d, eps, norm_eps,
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
-                  HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+                  HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
     source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
     the full lse to lse_ptr + slot M. Row `slot` of the group's (R, d) q_ptr, g_ptr, w_ptr and (R,) gate_ptr is
-    its query, key-norm weight, pre-norm weight and gate. With STREAM, h_ptr is h~_l: h = h~_l + v_l (v_ptr, its
-    newest own source) is made here, written to hout_ptr and read on. Rows are split rows (depth_kernels/tiles.py)."""
+    its query, key-norm weight, pre-norm weight and gate. With STREAM, h = h~_l (h_ptr) + v_l (v_ptr) is made
+    here and written to hout_ptr (docs/kernels.md#the-streams-add-inside-the-receivers). Rows are split rows."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -75,10 +79,16 @@ def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
                              "tiles", "accumulate"])
-def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base_ptr, q_ptr, g_ptr, gate_ptr,
-                  has_gate, w_ptr, dy_ptr, lse_ptr, acc_a_ptr, acc_b_ptr, off_a, off_b, dh_ptr, dbase_ptr,
-                  dbase_slot, go_ptr, D_ptr, dsum_ptr, dsum_lo, dsum_hi, null_ptr, r_ptr, du_ptr, dw_ptr, dgate_ptr,
-                  dhs_ptr, dv_ptr, tiles, accumulate, M, d, eps, norm_eps,
+def _receiver_bwd(table, n_a, n_b,                              # as the forward's
+                  state_ptr, lse_c_ptr, slot, slab,
+                  h_ptr, base_ptr, null_ptr, r_ptr, lse_ptr,      # (r_ptr: the forward's r, with R_SAVED)
+                  q_ptr, g_ptr, gate_ptr, has_gate, w_ptr,
+                  dy_ptr, dhs_ptr,                                # dL/dy, and the stream's part of dL/dh
+                  dh_ptr, dbase_ptr, dbase_slot, dv_ptr,          # gradients of h, the base, v_l
+                  acc_a_ptr, acc_b_ptr, off_a, off_b, accumulate,  # its own sources' gradient accumulators
+                  dsum_ptr, dsum_lo, dsum_hi,                     # the group's slots that join dh
+                  go_ptr, D_ptr,                                  # for phase 1's backward
+                  du_ptr, dw_ptr, dgate_ptr, tiles, M, d, eps, norm_eps,   # per-program partial sums; sizes
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
                   NULL: tl.constexpr, HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr,
@@ -91,8 +101,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab, h_ptr, base
     per-program partial sums of du, dw (the pre-norm weight's) and dgate into row `slot` of the group's
     buffers at du_ptr and dw_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them, once
     per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
-    the table. With STREAM (the forward made h = h~_l + v_l), the stream's part of dL/dh at dhs_ptr joins the
-    read's in dh (replacement: it is dh, passed as dh_ptr), which is then added into v_l's accumulator at dv_ptr."""
+    the table. With STREAM, dh (the stream's part, at dhs_ptr, + the read's) is added to v_l's at dv_ptr."""
     pid = tl.program_id(0)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
@@ -192,7 +201,7 @@ PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
 def _receiver_config(M: int, d: int, backward: bool) -> dict:
     """As depth_kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile forward
     (8 at d > 2048, on 16 warps) and 8 backward, which holds more tiles of a row; source loops 3 stages deep forward,
-    4 backward (2 at d > 2048: tools/aot.py checks nothing spills); rows split where d is not a power of two."""
+    4 backward (2 at d > 2048: meters/aot.py checks nothing spills); rows split where d is not a power of two."""
     block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
     if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)

@@ -58,7 +58,7 @@ PHASE_TABLE = (
      "step, its device time from the profiler (the kernel alone), bytes and bandwidth against a measured copy"),
     ("traffic", 30, "meters.traffic.measure() on CPU: the bytes per token routing adds to each 1044M "
      "config and the tokens/s ratio it predicts on H100 and H200 (regime \"autocast\")"),
-    ("host", 20, "CPU time per routed read before its launch, and per 1044M-depth step (tools.host)"),
+    ("host", 20, "CPU time per routed read before its launch, and per 1044M-depth step (meters.host)"),
     ("routing", 30, "meters.bench.bench_routing: routing time, bandwidth against a measured copy"),
 )
 PHASES = {name: cap for name, cap, _ in PHASE_TABLE}                    # name -> cap (s)
