@@ -33,7 +33,7 @@ from torch import Tensor
 
 from depth_kernels.group_read import group_backward, group_forward
 from depth_kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
-from depth_kernels.launch import SourceList, SourceTable, aligned, slot_view, slots
+from depth_kernels.launch import SourceList, aligned, slot_view, slots
 from depth_kernels.receiver_read import Inputs, Read, receiver_backward, receiver_forward
 from depth_kernels.tiles import NULL_LEARNED, NULL_NONE, NULL_ZERO
 from router import DepthState, Router
