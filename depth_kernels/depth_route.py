@@ -58,28 +58,6 @@ def _route_fwd(table, n_a, n_b, q_ptr, g_ptr, out_ptr, lse_ptr, M, d, eps,
     tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
-@triton.jit
-def _dot_sources(table, lo, hi, DTYPE: tl.constexpr, offs, masks, go, u, lse, D, d, eps, STAGES: tl.constexpr):
-    """D + sum over table sources lo..hi-1 (of DTYPE) of a_i (go . s_i), a_i = exp(z_i - lse)."""
-    for i in tl.range(lo, hi, num_stages=STAGES):
-        s = table_source(table, i, DTYPE, offs, masks)
-        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
-    return D
-
-
-@triton.jit
-def _store_grads(table, lo, hi, DTYPE: tl.constexpr, grad_ptr, slab, offs, masks, go, u, lse, D, du, d, eps,
-                 STAGES: tl.constexpr):
-    """The gradients of table sources lo..hi-1 (of DTYPE), source i's stored at grad_ptr + (i - lo) slab; returns
-    du + their terms dz rstd s."""
-    for i in tl.range(lo, hi, num_stages=STAGES):
-        s = table_source(table, i, DTYPE, offs, masks)
-        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
-        du = row_colsum(du, row_scale(s, dz_rstd))
-        row_store(grad_ptr + (i - lo) * slab, offs, ds, masks)
-    return du
-
-
 @triton.jit(do_not_specialize=["n_a", "n_b"])  # slab is a multiple of 16 elements: aligned gradient stores
 def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, q_ptr, g_ptr, go_ptr, lse_ptr, du_ptr, M, d, eps,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -98,14 +76,25 @@ def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, q_ptr, g_ptr, go_p
     go = row_load(go_ptr, offs, masks)                                     # (BLOCK_M, width) tiles of dL/dr
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term
-    # (each pass over the table's two runs of sources, tiles.read_table)
     D = tl.zeros((BLOCK_M,), tl.float32)
-    D = _dot_sources(table, 0, n_a, A_DTYPE, offs, masks, go, u, lse, D, d, eps, STAGES)
-    D = _dot_sources(table, n_a, n, B_DTYPE, offs, masks, go, u, lse, D, d, eps, STAGES)
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = table_source(table, i, A_DTYPE, offs, masks)
+        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
+    for i in tl.range(n_a, n, num_stages=STAGES):
+        s = table_source(table, i, B_DTYPE, offs, masks)
+        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
     # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of dz rstd s
     du = row_zeros(1, cols)
-    du = _store_grads(table, 0, n_a, A_DTYPE, grad_a_ptr, slab, offs, masks, go, u, lse, D, du, d, eps, STAGES)
-    du = _store_grads(table, n_a, n, B_DTYPE, grad_b_ptr, slab, offs, masks, go, u, lse, D, du, d, eps, STAGES)
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = table_source(table, i, A_DTYPE, offs, masks)
+        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
+        du = row_colsum(du, row_scale(s, dz_rstd))
+        row_store(grad_a_ptr + i * slab, offs, ds, masks)
+    for i in tl.range(n_a, n, num_stages=STAGES):
+        s = table_source(table, i, B_DTYPE, offs, masks)
+        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
+        du = row_colsum(du, row_scale(s, dz_rstd))
+        row_store(grad_b_ptr + (i - n_a) * slab, offs, ds, masks)
     row_store(du_ptr, row_offsets(pid.to(tl.int64) * d, cols), du, row_own(own))   # one partial sum per program
 
 

@@ -32,7 +32,6 @@ loads; pipelined); phase 2, fused with the pre-norm, is depth_kernels/receiver_r
 from __future__ import annotations
 
 import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -57,23 +56,6 @@ def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d):
 
 
 @triton.jit
-def _fold_run(addresses, lo, hi, STEP: tl.constexpr, DTYPE: tl.constexpr, start, u, m, l, acc, d, eps,
-              CB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr, STAGES: tl.constexpr,
-              F32_DOT: tl.constexpr):
-    """Sources lo..hi-1 of one dtype folded into one token row's (m, l, acc): bf16 ones CB a step (the block's
-    columns past hi masked), fp32 or fp16 ones one a step, split into three bf16 parts."""
-    first = tl.arange(0, CB) == 0
-    for a in tl.range(lo, hi, STEP, num_stages=STAGES // CB):
-        if DTYPE == tl.bfloat16:
-            s, ok = block_rows(addresses, a, a, hi, start, d, DTYPE, CB, CHUNK, CHUNKS, W)
-            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
-        else:
-            s = parts_rows(addresses, a, start, d, DTYPE, CB, CHUNK, CHUNKS, W)
-            m, l, acc = fold_block(s, first, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
-    return m, l, acc
-
-
-@triton.jit
 def _read_row(table, addresses, n_a, n_b, row, u, recv, recv_ok, state_ptr, lse_c_ptr, slab, M, d, eps,
               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, CB: tl.constexpr, A_STEP: tl.constexpr,
               B_STEP: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
@@ -87,11 +69,21 @@ def _read_row(table, addresses, n_a, n_b, row, u, recv, recv_ok, state_ptr, lse_
     acc = ()
     for c in tl.static_range(CHUNKS):
         acc = acc + (tl.zeros((W, CHUNK // W, R), tl.float32),)
-    # the table's two runs of sources (tiles.read_table)
-    m, l, acc = _fold_run(addresses, 0, n_a, A_STEP, A_DTYPE, start, u, m, l, acc, d, eps, CB, CHUNK, CHUNKS, W,
-                          STAGES, F32_DOT)
-    m, l, acc = _fold_run(addresses, n_a, n_a + n_b, B_STEP, B_DTYPE, start, u, m, l, acc, d, eps, CB, CHUNK,
-                          CHUNKS, W, STAGES, F32_DOT)
+    i = tl.arange(0, CB)
+    for a in tl.range(0, n_a, A_STEP, num_stages=STAGES // CB):
+        if A_DTYPE == tl.bfloat16:
+            s, ok = block_rows(addresses, a, a, n_a, start, d, A_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
+        else:
+            s = parts_rows(addresses, a, start, d, A_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, i == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
+    for b in tl.range(n_a, n_a + n_b, B_STEP, num_stages=STAGES // CB):
+        if B_DTYPE == tl.bfloat16:
+            s, ok = block_rows(addresses, b, b, n_a + n_b, start, d, B_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
+        else:
+            s = parts_rows(addresses, b, start, d, B_DTYPE, CB, CHUNK, CHUNKS, W)
+            m, l, acc = fold_block(s, i == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
     out = state_ptr + recv[None, None, :].to(tl.int64) * slab + start
     for c in tl.static_range(CHUNKS):
         cols = chunk_cols(c, CHUNK, W)                                        # (W, K, 1)
@@ -185,19 +177,6 @@ def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, ep
     return row_axpy(-(shrink * rstd / d), s, ds), new_du
 
 
-@triton.jit
-def _committed_grads(table, lo, hi, DTYPE: tl.constexpr, grad_ptr, first, accumulate, offs, masks, U, du, go_row, D,
-                     lse, r0, n_recv, slab, cols, own, d, eps, H: tl.constexpr, GROUPS: tl.constexpr,
-                     STAGES: tl.constexpr):
-    """_committed_grad for table sources lo..hi-1 (of DTYPE), each gradient into its accumulator (source i's is
-    row first + i - lo of grad_ptr's (rows, slab), written or added to); returns du."""
-    for i in tl.range(lo, hi, num_stages=STAGES):
-        s = table_source(table, i, DTYPE, offs, masks)
-        ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H, GROUPS)
-        accumulate_grad(grad_ptr + (first + i - lo).to(tl.int64) * slab, ds, offs, masks, accumulate)
-    return du
-
-
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
 def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, acc_a_ptr, acc_b_ptr,
                off_a, off_b, du_ptr, tiles, accumulate, M, d, eps,
@@ -232,11 +211,17 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
                 recv = r0 + g * H + k
                 D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
                 lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
-            # the table's two runs (tiles.read_table); source i < n_a's accumulator is row off_a + i of acc_a
-            du = _committed_grads(table, 0, n_a, A_DTYPE, acc_a_ptr, off_a, accumulate, offs, masks, U, du,
-                                  go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H, GROUPS, STAGES)
-            du = _committed_grads(table, n_a, n_a + n_b, B_DTYPE, acc_b_ptr, off_b, accumulate, offs, masks, U,
-                                  du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H, GROUPS, STAGES)
+            for i in tl.range(0, n_a, num_stages=STAGES):
+                s = table_source(table, i, A_DTYPE, offs, masks)
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
+                                         GROUPS)
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
+            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                s = table_source(table, i, B_DTYPE, offs, masks)
+                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
+                                         GROUPS)
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
+                                    accumulate)
     out = row_offsets(pid.to(tl.int64) * R_BLOCK * d + k[:, None] * d, cols)
     for g in tl.static_range(GROUPS):
         for c in tl.static_range(len(cols)):

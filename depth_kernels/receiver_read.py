@@ -21,11 +21,10 @@ from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import DTYPES, SourceTable, cdiv, launch, register_budget, row_tiles, slab_of, slot_view, wave
-from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, grad_sources, logit,
-                                 mix, mix_sources, null_source, read_table, row_add, row_axpy, row_cols, row_colsum,
-                                 row_div, row_dot, row_load, row_masks, row_mul, row_offsets, row_own, row_round,
-                                 row_scale, row_store, row_sub, row_vector, row_zeros, softmax_step, source_grad,
-                                 start_state)
+from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
+                                 null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot,
+                                 row_load, row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store,
+                                 row_sub, row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -131,9 +130,13 @@ def _receiver_bwd(table, n_a, n_b,                              # as the forward
             m, _, r = start_state(state_ptr, lse_c_ptr, slot, slab, rows, row_ok, offs, masks, cols, M, HAS_STATE,
                                   BLOCK_M)
             r = row_scale(r, tl.exp(m - lse))
-            if HAS_TABLE:                 # the table's two runs of sources (tiles.read_table)
-                r = mix_sources(table, 0, n_a, A_DTYPE, offs, masks, u, d, eps, lse, r, STAGES)
-                r = mix_sources(table, n_a, n_a + n_b, B_DTYPE, offs, masks, u, d, eps, lse, r, STAGES)
+            if HAS_TABLE:
+                for i in tl.range(0, n_a, num_stages=STAGES):
+                    s = table_source(table, i, A_DTYPE, offs, masks)
+                    r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
+                for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                    s = table_source(table, i, B_DTYPE, offs, masks)
+                    r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
             if HAS_DIFF:                  # (+ the partial block's term, + a learned null's)
                 r = row_axpy(tl.exp(logit(p, u, d, eps)[0] - lse), p, r)
             if NULL == NULL_LEARNED:
@@ -172,11 +175,17 @@ def _receiver_bwd(table, n_a, n_b,                              # as the forward
         if HAS_STATE:                     # for phase 1's backward
             row_store(go_ptr + slot.to(tl.int64) * slab, offs, dr, masks)
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
-        if HAS_TABLE:                     # source i < n_a's accumulator is row off_a + i of acc_a, then acc_b's
-            du = grad_sources(table, 0, n_a, A_DTYPE, acc_a_ptr, off_a, slab, accumulate, offs, masks, dr, u, lse,
-                              D, d, eps, du, STAGES)
-            du = grad_sources(table, n_a, n_a + n_b, B_DTYPE, acc_b_ptr, off_b, slab, accumulate, offs, masks, dr,
-                              u, lse, D, d, eps, du, STAGES)
+        if HAS_TABLE:
+            for i in tl.range(0, n_a, num_stages=STAGES):
+                s = table_source(table, i, A_DTYPE, offs, masks)
+                ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
+                du = row_colsum(du, row_scale(s, dz_rstd))
+                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
+            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+                s = table_source(table, i, B_DTYPE, offs, masks)
+                ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
+                du = row_colsum(du, row_scale(s, dz_rstd))
+                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks, accumulate)
         if SUMS and HAS_TABLE:            # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
             dh = add_slots(row_load(dh_ptr, offs, masks), dsum_ptr, dsum_lo, dsum_hi, slab, offs, masks)

@@ -200,43 +200,15 @@ def softmax_step(m, l, acc, s, z):
 @triton.jit
 def read_table(table, n_a, n_b, offs, masks, u, d, eps, m, l, acc,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, STAGES: tl.constexpr):
-    """Fold every source of an address table into the online-softmax state (m, l, acc) of the rows at offs. A
-    table holds two runs of sources, n_a of A_DTYPE then n_b of B_DTYPE (launch.SourceTable): a loop over each,
-    since a pipelined loop loads one dtype."""
-    m, l, acc = fold_sources(table, 0, n_a, A_DTYPE, offs, masks, u, d, eps, m, l, acc, STAGES)
-    return fold_sources(table, n_a, n_a + n_b, B_DTYPE, offs, masks, u, d, eps, m, l, acc, STAGES)
-
-
-@triton.jit
-def fold_sources(table, lo, hi, DTYPE: tl.constexpr, offs, masks, u, d, eps, m, l, acc, STAGES: tl.constexpr):
-    """Table sources lo..hi-1 (of DTYPE) folded into the online-softmax state (m, l, acc)."""
-    for i in tl.range(lo, hi, num_stages=STAGES):
-        s = table_source(table, i, DTYPE, offs, masks)
+    """Fold every source of an address table (n_a of A_DTYPE, then n_b of B_DTYPE: one pipelined loop per
+    dtype) into the online-softmax state (m, l, acc) of the rows at offs."""
+    for i in tl.range(0, n_a, num_stages=STAGES):
+        s = table_source(table, i, A_DTYPE, offs, masks)
+        m, l, acc = softmax_step(m, l, acc, s, logit(s, u, d, eps)[0])
+    for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
+        s = table_source(table, i, B_DTYPE, offs, masks)
         m, l, acc = softmax_step(m, l, acc, s, logit(s, u, d, eps)[0])
     return m, l, acc
-
-
-@triton.jit
-def mix_sources(table, lo, hi, DTYPE: tl.constexpr, offs, masks, u, d, eps, lse, r, STAGES: tl.constexpr):
-    """r + sum over table sources lo..hi-1 (of DTYPE) of exp(z_i - lse) s_i: a read-out recomputed from its lse."""
-    for i in tl.range(lo, hi, num_stages=STAGES):
-        s = table_source(table, i, DTYPE, offs, masks)
-        r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
-    return r
-
-
-@triton.jit
-def grad_sources(table, lo, hi, DTYPE: tl.constexpr, grad_ptr, first, slab, accumulate, offs, masks, go, u, lse, D,
-                 d, eps, du, STAGES: tl.constexpr):
-    """The gradients of table sources lo..hi-1 (of DTYPE) given dL/dr = go, into their accumulators (source i's
-    is row first + i - lo of grad_ptr's (rows, slab), written or added to), and du + their terms of the query's
-    gradient."""
-    for i in tl.range(lo, hi, num_stages=STAGES):
-        s = table_source(table, i, DTYPE, offs, masks)
-        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
-        du = row_colsum(du, row_scale(s, dz_rstd))
-        accumulate_grad(grad_ptr + (first + i - lo).to(tl.int64) * slab, ds, offs, masks, accumulate)
-    return du
 
 
 @triton.jit
