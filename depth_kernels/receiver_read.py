@@ -29,21 +29,18 @@ from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_s
 # ------------------------------------------------------------------------------------------------ kernels
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate"])
-def _receiver_fwd(table, n_a, n_b,                              # its own sources: an address table, two runs
-                  state_ptr, lse_c_ptr, slot, slab,               # phase 1's state; its slot of the group's
-                  h_ptr, base_ptr, null_ptr, v_ptr,               # the stream (or h~_l and v_l), base, null
-                  q_ptr, g_ptr, gate_ptr, has_gate, w_ptr,        # the group's parameters, (R, d) and (R,)
-                  y_ptr, lse_ptr, r_ptr, hout_ptr,                # what it writes
-                  M, d, eps, norm_eps,
+def _receiver_fwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,  # own sources (a table); phase 1's state, slot
+                  h_ptr, base_ptr, null_ptr, v_ptr,               # h~ (or h~_l and v_l), base, null; the
+                  q_ptr, g_ptr, gate_ptr, has_gate, w_ptr,        # group's parameters, (R, d) and (R,)
+                  y_ptr, lse_ptr, r_ptr, hout_ptr, M, d, eps, norm_eps,   # what it writes; sizes
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, NULL: tl.constexpr,
                   HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     """Receiver `slot` of a group: its read over [phase 1's state] + table sources [+ h - base] [+ a null
-    source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x) written to y_ptr,
-    the full lse to lse_ptr + slot M. Row `slot` of the group's (R, d) q_ptr, g_ptr, w_ptr and (R,) gate_ptr is
-    its query, key-norm weight, pre-norm weight and gate. With STREAM, h = h~_l (h_ptr) + v_l (v_ptr) is made
-    here and written to hout_ptr (docs/kernels.md#the-streams-add-inside-the-receivers). Rows are split rows."""
+    source: zero, or the learned vector at null_ptr], mixed and normalised: y = RMSNorm_w(x), and the full lse
+    at lse_ptr + slot M; its query, key-norm, pre-norm weight and gate are row `slot` of the group's. With STREAM,
+    h = h~_l + v_l is made here, to hout_ptr (docs/kernels.md#the-streams-add-inside-the-receivers)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
@@ -78,29 +75,23 @@ def _receiver_fwd(table, n_a, n_b,                              # its own source
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "slot", "has_gate", "off_a", "off_b", "dbase_slot", "dsum_lo", "dsum_hi",
                              "tiles", "accumulate"])
-def _receiver_bwd(table, n_a, n_b,                              # as the forward's
-                  state_ptr, lse_c_ptr, slot, slab,
-                  h_ptr, base_ptr, null_ptr, r_ptr, lse_ptr,      # (r_ptr: the forward's r, with R_SAVED)
+def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,               # as the forward's, and r_ptr:
+                  h_ptr, base_ptr, null_ptr, r_ptr, lse_ptr,                      # the forward's r (R_SAVED)
                   q_ptr, g_ptr, gate_ptr, has_gate, w_ptr,
-                  dy_ptr, dhs_ptr,                                # dL/dy, and the stream's part of dL/dh
-                  dh_ptr, dbase_ptr, dbase_slot, dv_ptr,          # gradients of h, the base, v_l
-                  acc_a_ptr, acc_b_ptr, off_a, off_b, accumulate,  # its own sources' gradient accumulators
-                  dsum_ptr, dsum_lo, dsum_hi,                     # the group's slots that join dh
-                  go_ptr, D_ptr,                                  # for phase 1's backward
-                  du_ptr, dw_ptr, dgate_ptr, tiles, M, d, eps, norm_eps,   # per-program partial sums; sizes
+                  dy_ptr, dhs_ptr, dh_ptr, dbase_ptr, dbase_slot, dv_ptr,         # dL/dy, the stream's dL/dh; out
+                  acc_a_ptr, acc_b_ptr, off_a, off_b, accumulate,                 # its own sources' accumulators
+                  dsum_ptr, dsum_lo, dsum_hi, go_ptr, D_ptr,                      # slots into dh; for phase 1
+                  du_ptr, dw_ptr, dgate_ptr, tiles, M, d, eps, norm_eps,          # per-program partial sums; sizes
                   A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
                   HAS_STATE: tl.constexpr, HAS_DIFF: tl.constexpr, ADD: tl.constexpr, SUMS: tl.constexpr,
                   NULL: tl.constexpr, HAS_TABLE: tl.constexpr, R_SAVED: tl.constexpr, STREAM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
                   ROW_STAGES: tl.constexpr):
-    """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (the stream's, with the partial
-    block's, and with SUMS the slots dsum_lo..dsum_hi - 1 of dsum_ptr: the group's other receivers' -dL/d
-    (partial), since this receiver's h is their base), -dL/d(partial) at slot dbase_slot of dbase_ptr, the
-    table sources' gradients into their accumulators, go = dL/dr and D = go . r for phase 1's backward, and
-    per-program partial sums of du, dw (the pre-norm weight's) and dgate into row `slot` of the group's
-    buffers at du_ptr and dw_ptr (R, programs, d) and dgate_ptr (R, programs): the group's node sums them, once
-    per group. With R_SAVED, r is the forward's (at r_ptr, row `slot`), not recomputed from the state and
-    the table. With STREAM, dh (the stream's part, at dhs_ptr, + the read's) is added to v_l's at dv_ptr."""
+    """Backward of `_receiver_fwd` for `tiles` row tiles per program: dh (with SUMS + slots dsum_lo..dsum_hi - 1:
+    the group's other receivers' -dL/d(partial), since this h is their base), -dL/d(partial) at slot dbase_slot,
+    the table sources' gradients, go = dL/dr and D = go . r, and per-program partial sums of du, dw and dgate in
+    row `slot` of the group's (R, programs, d) and (R, programs) buffers. With R_SAVED r is the forward's, not
+    recomputed; with STREAM dh (the stream's part + the read's) is also added to v_l's at dv_ptr."""
     pid = tl.program_id(0)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
