@@ -56,12 +56,18 @@ def plot_blocks(blocks: list[dict], reference: dict, seed_std: dict[str, float],
     plt.close(fig)
 
 
+def half_width(row: dict) -> float:
+    """The 95 % interval's half-width of a row's paired change (0 for one seed or the baseline itself)."""
+    return (row.get("change") or {}).get("half_width") or 0.0
+
+
 def plot_depth(sections: list[list[dict]], path: str, plt) -> None:
-    """Each routed method's PPL change vs the baseline (paired by seed: mean ± std) against the number of layers."""
+    """Each routed method's PPL change vs the baseline (paired by seed: mean and 95 % interval) against the number
+    of layers."""
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     labels = [r["label"] for r in sections[0][1:]]
     for i, label in enumerate(labels):
-        points = sorted((r["n_layers"], r["ppl_change_pct"], r["ppl_change_pct_std"], len(r["runs"]))
+        points = sorted((r["n_layers"], r["ppl_change_pct"], half_width(r), len(r["runs"]))
                         for rows in sections for r in rows if r["label"] == label)
         if len(points) != len(sections):
             raise ValueError(f"{label!r} is in {len(points)} of the {len(sections)} depth sections")
@@ -71,7 +77,7 @@ def plot_depth(sections: list[list[dict]], path: str, plt) -> None:
     ax.axhline(0.0, ls="--", color="gray", label="baseline")
     depths = sorted({r["n_layers"] for rows in sections for r in rows})
     ax.set_xticks(depths, [str(x) for x in depths])
-    ax.set(xlabel="layers (same width, steps and data)", ylabel="val PPL vs baseline (%), mean ± std over seeds",
+    ax.set(xlabel="layers (same width, steps and data)", ylabel="val PPL vs baseline (%), mean and 95 % interval",
            title="PPL change vs the baseline by depth (lower is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -80,19 +86,19 @@ def plot_depth(sections: list[list[dict]], path: str, plt) -> None:
 
 
 def plot_grid(section: Section, rows: list[dict], path: str, plt) -> None:
-    """The paired PPL change vs the baseline of every point of a grid section, mean ± std over seeds, with each
+    """The paired PPL change vs the baseline of every point of a grid section, mean and 95 % interval, with each
     seed's value; additive points blue, replacement orange, the authors' variant grey."""
     points = [r for r in rows if r["label"] != "baseline"]
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.42 * len(points)))
     for y, r in enumerate(points):
         color = "0.5" if "authors'" in r["label"] else ("C0" if r["residual"] in ("delta", "delta_block") else "C1")
-        ax.errorbar(r["ppl_change_pct"], y, xerr=r["ppl_change_pct_std"], fmt="o", color=color, capsize=3)
+        ax.errorbar(r["ppl_change_pct"], y, xerr=half_width(r), fmt="o", color=color, capsize=3)
         ax.plot(r["ppl_change_pct_seeds"], [y] * len(r["ppl_change_pct_seeds"]), "x", color=color, alpha=0.5)
     ax.set_yticks(range(len(points)), [r["label"] for r in points], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(0.0, color="gray", lw=0.5)
     layers = f", {points[0]['n_layers']} layers" if points else ""
-    ax.set(xlabel="val PPL vs the baseline, paired by seed (%): mean ± std (o), seeds (x)",
+    ax.set(xlabel="val PPL vs the baseline, paired by seed (%): mean and 95 % interval (o), seeds (x)",
            title=f"{section.title.split(':')[0]}{layers}: additive blue, replacement orange")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

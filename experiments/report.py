@@ -1,5 +1,5 @@
-"""From finished runs to figures: each run's numbers, the table rows with seed statistics, results.json,
-table.md, the machine and commit they came from, and the row-by-row comparison of two sweeps."""
+"""From finished runs to figures: each run's numbers and where it trained, the table rows with their paired
+statistics (experiments/stats.py), results.json, table.md, and the row-by-row comparison of two sweeps."""
 from __future__ import annotations
 
 import json
@@ -19,9 +19,10 @@ from infra.config import load_config
 from experiments.plan import Plan, Run, Section, memory_key, model_config, n_sources
 from experiments.plots import plot
 from experiments.runner import read_log
+from experiments.stats import correct, describe, p_cell, paired
 from meters.memory import saved_bytes
 from model import Model, ModelConfig
-from infra.routing_analysis import routing_analysis
+from infra.routing_analysis import max_weight_x_n, routing_analysis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,6 +75,33 @@ def routing_summary(out_dir: str) -> dict:
     return summary
 
 
+# What must agree for two runs to be compared: the same seed trains to other digits on another CPU, ISA level,
+# thread count, torch or commit.
+ORIGIN_KEYS = ("cpu", "isa", "threads", "torch", "commit")
+
+
+def origin(log: list[dict]) -> dict | None:
+    """Where a run trained, from the provenance records train.py writes at every start of the run (None for a
+    log from before they existed); a run resumed elsewhere has no single origin and is refused."""
+    places = [{k: r["provenance"].get(k) for k in ORIGIN_KEYS + ("dirty",)} for r in log if "provenance" in r]
+    if any(p != places[0] for p in places[1:]):
+        raise ValueError(f"a run trained in {len(places)} places ({places}): it compares with no other run")
+    return places[0] if places else None
+
+
+def origin_key(figures: dict) -> tuple:
+    """Runs pair only when this agrees; runs whose logs predate the records share the key 'not recorded'."""
+    place = figures.get("origin")
+    return tuple(place[k] for k in ORIGIN_KEYS) if place else ("not recorded",)
+
+
+def origin_label(key: tuple) -> str:
+    if key == ("not recorded",):
+        return "not recorded"
+    cpu, isa, threads, torch_version, commit = key
+    return f"{cpu}, {isa}, {threads} thread{'s' * (threads != 1)}, torch {torch_version}, commit {commit[:8]}"
+
+
 def run_figures(run: Run, out: str) -> dict | None:
     """A finished run's numbers from its log.jsonl (and checkpoint, for routing); None if it is not finished."""
     out_dir = os.path.join(out, "runs", run.name)
@@ -84,7 +112,8 @@ def run_figures(run: Run, out: str) -> dict | None:
     speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r]
     speeds = speeds[1:] or speeds          # the first interval includes start-up, unless it is the only one
     cfg = model_config(run)
-    figures = {"overrides": run.overrides, "pace_from": list(run.pace_from), "val_ppl": final["val_ppl"],
+    figures = {"overrides": run.overrides, "pace_from": list(run.pace_from), "origin": origin(log),
+               "val_ppl": final["val_ppl"],
                "val_loss": final["val_loss"], "step": final["step"], "wall_s": final["wall_s"],
                "tok_per_s": float(np.mean(speeds)),
                "curve": [[r["step"], r["val_loss"]] for r in log if "val_loss" in r]}
@@ -98,33 +127,38 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: dict) -> list[dict]:
-    """One dict per row with every table column; rows whose runs are not all finished are left out."""
+    """One dict per row with every table column, from the row's finished runs that pair with the first row's
+    (the baseline's) run of the same seed trained in the same place; rows with no such run are left out, and the
+    runs that have no partner are named in `unpaired`."""
     ref = {runs[n].overrides["seed"]: figures[n] for n in section.rows[0][1] if figures.get(n)}
     ref_key = memory_key(runs[section.rows[0][1][0]])
     ref_speed = np.mean([f["tok_per_s"] for f in ref.values()]) if ref else float("nan")
     rows = []
     for label, names in section.rows:
-        got = [figures[n] for n in names if figures.get(n)]
-        if len(got) < len(names) or not ref:
+        finished = [n for n in names if figures.get(n)]
+        paired_names = [n for n in finished if runs[n].overrides["seed"] in ref and
+                        origin_key(figures[n]) == origin_key(ref[runs[n].overrides["seed"]])]
+        if not paired_names:
             continue
-        seeds = [runs[n].overrides["seed"] for n in names]
+        got = [figures[n] for n in paired_names]
+        seeds = [runs[n].overrides["seed"] for n in paired_names]
         ppl, ppl_std = _mean_std([f["val_ppl"] for f in got])
         # Paired by seed: the same seed gives every method the same backbone init and the same batches.
-        change = [100 * (f["val_ppl"] / ref.get(s, next(iter(ref.values())))["val_ppl"] - 1)
-                  for f, s in zip(got, seeds)]
-        change_mean, change_std = _mean_std(change)
+        change = [100 * (f["val_ppl"] / ref[s]["val_ppl"] - 1) for f, s in zip(got, seeds)]
         routed = [f["routing"] for f in got if "routing" in f]
         key = memory_key(runs[names[0]])
         cfg = model_config(runs[names[0]])
         rows.append({
-            "label": label, "runs": names, "residual": cfg.residual, "n_layers": cfg.n_layers,
-            "sources": n_sources(cfg), "seeds": seeds, "steps": float(np.mean([f["step"] for f in got])),
-            "wall_s": float(np.mean([f["wall_s"] for f in got])), "val_ppl": ppl, "val_ppl_std": ppl_std,
-            "ppl_change_pct": change_mean, "ppl_change_pct_std": change_std, "ppl_change_pct_seeds": change,
+            "label": label, "runs": paired_names, "unpaired": [n for n in finished if n not in paired_names],
+            "origins": sorted({origin_label(origin_key(f)) for f in got}), "residual": cfg.residual,
+            "n_layers": cfg.n_layers, "sources": n_sources(cfg), "seeds": seeds,
+            "steps": float(np.mean([f["step"] for f in got])), "wall_s": float(np.mean([f["wall_s"] for f in got])),
+            "val_ppl": ppl, "val_ppl_std": ppl_std, "ppl_change_pct": float(np.mean(change)),
+            "ppl_change_pct_seeds": change, "change": paired(change) if label != section.rows[0][0] else None,
             "tok_per_s_rel": float(np.mean([f["tok_per_s"] for f in got]) / ref_speed),
             "saved_bytes_rel": {k: v[key] / v[ref_key] for k, v in memory.items() if isinstance(v, dict)},
-            "mean_max_weight": float(np.mean([r["mean_max_weight"] for r in routed])) if routed else None,
-            "mean_entropy": float(np.mean([r["mean_entropy"] for r in routed])) if routed else None})
+            **{k: float(np.mean([r[k] if k in r else max_weight_x_n(r["receivers"]) for r in routed]))
+               if routed else None for k in ("mean_max_weight", "mean_max_weight_x_n", "mean_entropy")}})
     return rows
 
 
@@ -146,8 +180,9 @@ def factorial(section: Section, runs: dict[str, Run], rows: list[dict]) -> list[
 
     A factor's effect at seed s is the mean change of the points at its second level minus the mean at its first
     (a main effect over every point of the design in the section, or a simple effect within one level of another
-    factor); the mean and std are over seeds, and `agree` counts the seeds whose effect has the mean's sign. Points
-    are paired by seed throughout, so the baseline's own seed noise cancels."""
+    factor); its reading (stats.paired) is over seeds, and `agree` counts the seeds whose effect has the mean's
+    sign. Points are paired by seed throughout, so the baseline's own seed noise cancels; a seed enters only where
+    every point has it."""
     points = []
     for r in rows:
         levels = factor_levels(model_config(runs[r["runs"][0]]))
@@ -167,58 +202,69 @@ def factorial(section: Section, runs: dict[str, Run], rows: list[dict]) -> list[
                 continue
             per_seed = [np.mean([c[s] for lv, c in chosen if lv[factor] == high]) -
                         np.mean([c[s] for lv, c in chosen if lv[factor] == low]) for s in seeds]
-            mean, std = _mean_std(per_seed)
+            reading = paired([float(v) for v in per_seed])
             effects.append({"factor": factor, "contrast": f"{high} - {low}", "within": scope, "seeds": seeds,
-                            "effect_pct": mean, "effect_pct_std": std, "per_seed": [float(v) for v in per_seed],
-                            "agree": int(sum(np.sign(v) == np.sign(mean) for v in per_seed))})
+                            "effect_pct": reading["mean"], "change": reading, "per_seed": [float(v) for v in per_seed],
+                            "agree": int(sum(np.sign(v) == np.sign(reading["mean"]) for v in per_seed))})
     return effects
 
 
 def factorial_markdown(effects: list[dict]) -> list[str]:
-    lines = ["", "Effects on the PPL change vs the baseline (percentage points, paired by seed; mean ± std over "
-             "seeds; 'agree': seeds with the mean's sign):", "",
-             "| factor | contrast | within | effect | per seed | agree |", "|---|---|---|---|---|---|"]
+    lines = ["", "Effects on the PPL change vs the baseline (percentage points, paired by seed; mean [95 % "
+             "interval]; p Holm-corrected over the sweep, uncorrected in brackets, ✓ below 0.05; 'agree': seeds "
+             "with the mean's sign):", "",
+             "| factor | contrast | within | effect | n | p | per seed | agree |", "|" + "---|" * 8]
     for e in effects:
-        lines.append(f"| {e['factor']} | {e['contrast']} | {e['within']} | {e['effect_pct']:+.2f} ± "
-                     f"{e['effect_pct_std']:.2f} | {', '.join(f'{v:+.2f}' for v in e['per_seed'])} | "
-                     f"{e['agree']}/{len(e['per_seed'])} |")
+        lines.append(f"| {e['factor']} | {e['contrast']} | {e['within']} | {describe(e['change'], '')} | "
+                     f"{e['change']['n']} | {p_cell(e['change'])} | {', '.join(f'{v:+.2f}' for v in e['per_seed'])} "
+                     f"| {e['agree']}/{len(e['per_seed'])} |")
     return lines
 
 
-def _pm(mean: float, std: float, n: int, fmt: str) -> str:
-    return f"{mean:{fmt}} ± {std:{fmt.lstrip('+')}}" if n > 1 else f"{mean:{fmt}}"
+def _cell(value: float | None, fmt: str) -> str:
+    return "—" if value is None else f"{value:{fmt}}"
 
 
 def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict, meta: dict,
              effects: dict[str, list[dict]] | None = None) -> str:
     paths = [k for k, v in memory.items() if isinstance(v, dict)]
     lines = [f"# Sweep results ({meta['model']})", "",
-             f"Commit `{meta['git_commit'][:12]}`{' (with uncommitted changes)' if meta['git_dirty'] else ''}, "
-             f"{meta['machine']['cpu']} ({meta['machine']['cores']} cores), torch {meta['machine']['torch']}, "
-             f"{meta['date']}. Val PPL: byte-level perplexity on 16K held-out tokens (two plays never trained on). "
-             f"tok/s: training throughput from log.jsonl, relative to the section's baseline. Saved activations: "
-             f"bytes autograd keeps for backward in one step (meters.memory.saved_bytes, "
-             f"batch {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]}), relative to the baseline. Routing: infra.routing_analysis "
-             f"on 32 held-out windows, "
-             f"mean over receivers with 2+ sources of the per-token max weight and normalised entropy H(a)/log N, "
-             f"averaged over tokens."]
+             f"Report made at commit `{meta['git_commit'][:12]}`"
+             f"{' (with uncommitted changes)' if meta['git_dirty'] else ''} on {meta['machine']['cpu']}, "
+             f"{meta['date']}; where each run trained is under its section, and a run is paired only with the "
+             f"baseline's run of its seed trained in the same place (CPU, ISA level, threads, torch, commit). "
+             f"Val PPL: byte-level perplexity on 16K held-out tokens (two plays never trained on), mean ± std over "
+             f"seeds. PPL vs baseline: the paired change's mean [95 % interval], n seeds; p: Holm-corrected over "
+             f"the sweep's {meta['contrasts']} contrasts (uncorrected in brackets), ✓ below 0.05, the only changes "
+             f"this table resolves. tok/s: training throughput from log.jsonl, relative to the section's baseline. "
+             f"Saved activations: bytes autograd keeps for backward in one step (meters.memory.saved_bytes, "
+             f"batch {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]}), relative to the baseline. Routing: "
+             f"infra.routing_analysis on 32 held-out windows, mean over receivers with 2+ sources of the per-token "
+             f"max weight, of max weight × N (1 for a uniform read over N sources, N for a one-hot one: comparable "
+             f"across methods whose receivers see different N) and of the normalised entropy H(a)/log N."]
     if not isinstance(memory.get("triton"), dict):
         lines.append(f"Kernel-path memory: {memory.get('triton', 'not measured')}.")
     for section in sections:
         lines += ["", f"## {section.title}", "", section.note, ""]
-        head = ["method", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "tok/s vs baseline"]
-        head += [f"saved act. ({p})" for p in paths] + ["mean max weight", "mean norm. entropy"]
+        head = ["method", "n", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "p", "tok/s vs baseline"]
+        head += [f"saved act. ({p})" for p in paths] + ["max weight", "max weight × N", "norm. entropy"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows[section.title]:
             n = len(r["runs"])
-            cells = [r["label"], ",".join(map(str, r["seeds"])), f"{r['steps']:.0f}", f"{r['wall_s']:.0f}",
-                     _pm(r["val_ppl"], r["val_ppl_std"], n, ".3f"),
-                     _pm(r["ppl_change_pct"], r["ppl_change_pct_std"], n, "+.2f") + " %",
-                     f"{r['tok_per_s_rel']:.2f}x"]
+            cells = [r["label"], str(n), ",".join(map(str, r["seeds"])), f"{r['steps']:.0f}", f"{r['wall_s']:.0f}",
+                     f"{r['val_ppl']:.3f}" + (f" ± {r['val_ppl_std']:.3f}" if n > 1 else ""),
+                     "—" if r["change"] is None else describe(r["change"]),
+                     "—" if r["change"] is None else p_cell(r["change"]), f"{r['tok_per_s_rel']:.2f}x"]
             cells += [f"{r['saved_bytes_rel'][p]:.2f}x" for p in paths]
-            cells += ["—" if r["mean_max_weight"] is None else f"{r['mean_max_weight']:.3f}",
-                      "—" if r["mean_entropy"] is None else f"{r['mean_entropy']:.3f}"]
+            cells += [_cell(r["mean_max_weight"], ".3f"), _cell(r["mean_max_weight_x_n"], ".2f"),
+                      _cell(r["mean_entropy"], ".3f")]
             lines.append("| " + " | ".join(cells) + " |")
+        places = sorted({o for r in rows[section.title] for o in r["origins"]})
+        if places:
+            lines += ["", "Trained on: " + "; ".join(places) + "."]
+        unpaired = [n for r in rows[section.title] for n in r["unpaired"]]
+        if unpaired:
+            lines.append(f"Left out, with no baseline run of their seed from the same place: {', '.join(unpaired)}.")
         if (effects or {}).get(section.title):
             lines += factorial_markdown(effects[section.title])
     return "\n".join(lines) + "\n"
@@ -234,6 +280,11 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     memory["triton"] = saved_bytes_triton(configs, 300) if triton else "not measured (--no_triton)"
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
     effects = {s.title: factorial(s, by_name, rows[s.title]) for s in sections if "grid" in s.plots}
+    # one family: every change vs a baseline and every factorial effect the sweep reports
+    changes = [r for rs in rows.values() for r in rs if r["change"]]
+    effects_all = [(title, e) for title, es in effects.items() for e in es]
+    contrasts = correct([r["change"] for r in changes] + [e["change"] for _, e in effects_all],
+                        [tuple(r["runs"]) for r in changes] + [(t, e["factor"], e["within"]) for t, e in effects_all])
     model_cfg, train_cfg = load_config([plan.config])
     layers = "/".join(str(n) for n in sorted({model_config(r).n_layers for r in runs}, reverse=True))
     # uncommitted changes to the code, not to the results being rewritten
@@ -243,7 +294,7 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
             "machine": runlog.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": plan.config,
             "model": f"L={layers}, d={model_cfg.d_model}, {train_cfg.max_steps} steps of "
                      f"{train_cfg.batch_size}x{train_cfg.seq_len} tokens",
-            "invocation_wall_s": invocation_s,
+            "contrasts": contrasts, "invocation_wall_s": invocation_s,
             "train_wall_s_sum": sum(f["wall_s"] for f in figures.values() if f)}
     results = {**meta, "memory_shape": MEMORY_SHAPE, "saved_bytes": memory,
                "sections": [{"title": s.title, "note": s.note, "rows": rows[s.title],

@@ -133,12 +133,21 @@ class RoutingRecorder:
         return out
 
 
+def max_weight_x_n(receivers: list[dict]) -> float | None:
+    """The per-token max weight relative to a uniform read, max weight × N (1 uniform, N one-hot), averaged over
+    receivers with two or more sources: the max weight alone falls with N, so it does not compare methods whose
+    receivers see different numbers of sources."""
+    routed = [r["max_weight"] * r["n_sources"] for r in receivers if r["n_sources"] > 1]
+    return float(np.mean(routed)) if routed else None
+
+
 def _means(receivers: list[dict]) -> dict:
     """Means over receivers with at least two sources (a single source always gets weight 1), and for the
     similarities over receivers with at least two stream sources."""
     routed = [r for r in receivers if r["n_sources"] > 1]
     out = {k if k.startswith("mean_") else f"mean_{k}": float(np.mean([r[k] for r in routed])) for k in
            ("max_weight", "entropy", "mean_weights_max", "mean_weights_entropy", "embedding_weight")}
+    out["mean_max_weight_x_n"] = max_weight_x_n(receivers)
     for view in VIEWS:
         values = [r[f"similarity_{view}"] for r in receivers if r[f"similarity_{view}"] is not None]
         out[f"mean_similarity_{view}"] = float(np.mean(values)) if values else None

@@ -61,9 +61,13 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     table = open(os.path.join(out, "table.md")).read().splitlines()
     header = next(line for line in table if line.startswith("| method"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        "method", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "tok/s vs baseline",
-        "saved act. (reference)", "mean max weight", "mean norm. entropy"]
-    assert any(line.startswith("| delta_block | 0 | 6 |") for line in table)
+        "method", "n", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "p", "tok/s vs baseline",
+        "saved act. (reference)", "max weight", "max weight × N", "norm. entropy"]
+    assert any(line.startswith("| delta_block | 1 | 0 | 6 |") for line in table)
+    assert db["mean_max_weight_x_n"] == pytest.approx(saved["runs"]["db_s0"]["routing"]["mean_max_weight_x_n"])
+    here = saved["runs"]["db_s0"]["origin"]                 # where each run trained, from its own log
+    assert here["commit"] == saved["git_commit"] and here["threads"] == 1 and here["isa"]
+    assert f"Trained on: {report.origin_label(report.origin_key(saved['runs']['db_s0']))}." in table
     assert results["plots"] == [os.path.join(out, "val_loss.png")] and os.path.getsize(results["plots"][0]) > 0
 
     # A clean clone has the logs and routing.json but no checkpoints: the report must come out the same.
@@ -187,7 +191,7 @@ def test_plans_are_well_formed():
 
 def test_depth_plot_reads_every_depth_section(tmp_path):
     def rows(n_layers, changes):
-        return [{"label": label, "n_layers": n_layers, "ppl_change_pct": c, "ppl_change_pct_std": 0.5,
+        return [{"label": label, "n_layers": n_layers, "ppl_change_pct": c, "change": {"half_width": 0.5},
                  "runs": ["a", "b", "c"]} for label, c in changes.items()]
     import matplotlib
     matplotlib.use("Agg")
@@ -237,7 +241,7 @@ def test_factorial_effects_of_the_grid():
     assert {e["factor"] for e in effects} == set(expected)
     assert len(effects) == 3 * 5                 # each factor: overall, and within each level of the two others
     for e in effects:
-        assert e["effect_pct"] == pytest.approx(expected[e["factor"]]) and e["effect_pct_std"] == pytest.approx(0)
+        assert e["effect_pct"] == pytest.approx(expected[e["factor"]]) and e["change"]["std"] == pytest.approx(0)
         assert e["agree"] == 3
     depth = plans.depth_plan()
     block_grid = depth.sections[2]
@@ -245,3 +249,22 @@ def test_factorial_effects_of_the_grid():
     rows = [{"label": label, "runs": names, "seeds": [0, 1, 2], "ppl_change_pct_seeds": [0.0, 1.0, 2.0]}
             for label, names in block_grid.rows]
     assert {e["factor"] for e in report.factorial(block_grid, runs, rows)} == {"sources", "use"}  # one granularity
+
+
+def test_runs_pair_only_with_a_baseline_run_from_the_same_place(tmp_path):
+    """Seeds 0 and 1 of both methods, but delta_block's seed 1 trained on another CPU: the row keeps seed 0 and
+    names seed 1 as unpaired; a log that trained in two places is refused."""
+    runs = {f"{m}_s{s}": Run(f"{m}_s{s}", {**TINY, "residual": r, "seed": s})
+            for m, r in (("base", "baseline"), ("db", "delta_block")) for s in (0, 1)}
+    section = Section("Two seeds", "", [("baseline", ["base_s0", "base_s1"]), ("delta_block", ["db_s0", "db_s1"])])
+    here = {"cpu": "A", "isa": "AVX2", "threads": 1, "torch": "2", "commit": "c" * 40, "dirty": False}
+    figures = {name: {"val_ppl": ppl, "step": 6, "wall_s": 1.0, "tok_per_s": 1.0, "origin": dict(here)}
+               for name, ppl in (("base_s0", 10.0), ("base_s1", 10.0), ("db_s0", 9.0), ("db_s1", 11.0))}
+    figures["db_s1"]["origin"]["cpu"] = "B"
+    base, db = report.section_rows(section, runs, figures, {})
+    assert base["runs"] == ["base_s0", "base_s1"] and db["runs"] == ["db_s0"] and db["unpaired"] == ["db_s1"]
+    assert db["ppl_change_pct_seeds"] == [pytest.approx(-10.0)] and db["change"]["n"] == 1
+    log = [{"provenance": here}, {"step": 1}, {"provenance": {**here, "commit": "d" * 40}}]
+    with pytest.raises(ValueError, match="trained in 2 places"):
+        report.origin(log)
+    assert report.origin(log[:2]) == here and report.origin([{"step": 1}]) is None
