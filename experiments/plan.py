@@ -244,8 +244,9 @@ def memory_key(run: Run) -> str:
 
 
 def n_sources(cfg) -> int:
-    """The most sources a sublayer reads: K + 1 for K blocks (the partial included; the paper's variant reads
-    at most K), 2L fine-grained (the paper's Table 4 counts 2L + 1, Full AttnRes's final read)."""
+    """The most sources a sublayer reads, a null source not counted: K + 1 for K blocks (the partial included;
+    the paper's variant reads at most K), 2L fine-grained (2L + 1 at Full AttnRes's final read). The paper's
+    counts fit these and the paper's variant plus a null source alike (docs/method.md#block-counts)."""
     blocks = cfg.n_blocks + int(cfg.residual == "attnres" or (cfg.include_partial and cfg.block_source == "boundary"))
     fine = {"delta": 2 * cfg.n_layers, "full_attnres": 2 * cfg.n_layers + 1}
     return {"baseline": 0, "attnres": blocks, "delta_block": blocks, **fine}[cfg.residual]
