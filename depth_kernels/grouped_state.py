@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -58,16 +57,6 @@ def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     """t.to(dtype), without Tensor.to's argument parsing (a few us a call, twice a receiver) where t has it."""
     return t if t.dtype == dtype else t.to(dtype)
-
-
-def _direct(function: type[torch.autograd.Function]) -> Callable:
-    """function.apply less its Python wrapper, which passes every argument through functorch's unwrapping (some us
-    a call, 80 calls a step): the engine's own apply, or the wrapper itself while a functorch transform is active."""
-    direct = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
-
-    def apply(*args):
-        return function.apply(*args) if torch._C._are_functorch_transforms_active() else direct(*args)
-    return apply
 
 
 class GroupRead(torch.autograd.Function):
@@ -204,7 +193,9 @@ class BlockDelta(torch.autograd.Function):
         return torch.mul(grad, 1.0, out=up), torch.mul(grad, -1.0, out=down), None
 
 
-_group_read, _receiver_read, _block_delta = map(_direct, (GroupRead, ReceiverRead, BlockDelta))
+# Plain Function.apply: calling torch's private engine apply directly saved about 5 us a call here (80 calls a
+# 1044M step, 0.4 ms, under 1 % of the step's host time), too little for a private API.
+_group_read, _receiver_read, _block_delta = GroupRead.apply, ReceiverRead.apply, BlockDelta.apply
 
 
 class GroupedDepthState(DepthState):
