@@ -60,8 +60,7 @@ def saved_bytes_triton(configs: dict[str, dict], timeout_s: float) -> dict[str, 
 
 def routing_summary(out_dir: str) -> dict:
     """routing_analysis.routing_analysis of the run's checkpoint over 32 held-out windows of its training length,
-    kept in OUT/runs/<run>/routing.json: the checkpoints are not committed, so a clean clone reports from that
-    file."""
+    kept in OUT/runs/<run>/routing.json (and in OUT/results.json), so a report made again needs no checkpoint."""
     path = os.path.join(out_dir, "routing.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -102,13 +101,15 @@ def origin_label(key: tuple) -> str:
     return f"{cpu}, {isa}, {threads} thread{'s' * (threads != 1)}, torch {torch_version}, commit {commit[:8]}"
 
 
-def run_figures(run: Run, out: str) -> dict | None:
-    """A finished run's numbers from its log.jsonl (and checkpoint, for routing); None if it is not finished."""
+def run_figures(run: Run, out: str, kept: dict | None = None) -> dict | None:
+    """A finished run's numbers from its log.jsonl (and checkpoint, for routing), else the figures an earlier
+    report kept of it in OUT/results.json (`kept`: a committed sweep holds no per-run logs) if they are of the
+    same run; None if it is not finished."""
     out_dir = os.path.join(out, "runs", run.name)
     log = read_log(out_dir)
     final = next((r for r in log if r.get("final")), None)
     if final is None:
-        return None
+        return kept if kept is not None and kept.get("overrides") == run.overrides else None
     speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r]
     speeds = speeds[1:] or speeds          # the first interval includes start-up, unless it is the only one
     cfg = model_config(run)
@@ -274,10 +275,14 @@ def summarise(plan: Plan, out: str, triton: bool, invocation_s: float, command: 
     """Write OUT/results.json, OUT/table.md and the plots from whatever runs of the plan have finished."""
     runs, sections = plan.runs, plan.sections
     by_name = {r.name: r for r in runs}
-    figures = {r.name: run_figures(r, out) for r in runs}
+    kept = {}
+    if os.path.isfile(os.path.join(out, "results.json")):
+        with open(os.path.join(out, "results.json")) as f:
+            kept = json.load(f).get("runs", {})
+    figures = {r.name: run_figures(r, out, kept.get(r.name)) for r in runs}
     configs = {memory_key(r): asdict(model_config(r)) for r in runs}
     memory: dict = {"reference": saved_bytes_for(configs, "reference")}
-    memory["triton"] = saved_bytes_triton(configs, 300) if triton else "not measured (--no_triton)"
+    memory["triton"] = saved_bytes_triton(configs, 1200) if triton else "not measured (--no_triton)"
     rows = {s.title: section_rows(s, by_name, figures, memory) for s in sections}
     effects = {s.title: factorial(s, by_name, rows[s.title]) for s in sections if "grid" in s.plots}
     # one family: every change vs a baseline and every factorial effect the sweep reports

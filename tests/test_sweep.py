@@ -2,6 +2,7 @@
 unfinished one, the equal wall-clock pacing, and the table and JSON it writes."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -80,6 +81,13 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
                 os.remove(os.path.join(out, "runs", name, f))
     again = report.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
     assert again["sections"] == saved["sections"]
+    # A committed sweep keeps no per-run folders: the figures its results.json kept make the same report.
+    shutil.rmtree(os.path.join(out, "runs"))
+    kept = report.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")
+    assert kept["sections"] == saved["sections"] and kept["runs"] == json.loads(json.dumps(saved["runs"]))
+    changed = Plan("tiny", plans.CONFIG, [Run("base_s0", {**TINY, "residual": "baseline", "seed": 0, "d_model": 8}),
+                                          *tiny.runs[1:]], tiny.sections)
+    assert report.summarise(changed, out, triton=False, invocation_s=1.0, command="test")["runs"]["base_s0"] is None
 
 
 def test_equal_wall_clock_pace(tmp_path):
