@@ -146,7 +146,6 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
         ppl, ppl_std = _mean_std([f["val_ppl"] for f in got])
         # Paired by seed: the same seed gives every method the same backbone init and the same batches.
         change = [100 * (f["val_ppl"] / ref[s]["val_ppl"] - 1) for f, s in zip(got, seeds)]
-        routed = [f["routing"] for f in got if "routing" in f]
         key = memory_key(runs[names[0]])
         cfg = model_config(runs[names[0]])
         rows.append({
@@ -158,9 +157,20 @@ def section_rows(section: Section, runs: dict[str, Run], figures: dict, memory: 
             "ppl_change_pct_seeds": change, "change": paired(change) if label != section.rows[0][0] else None,
             "tok_per_s_rel": float(np.mean([f["tok_per_s"] for f in got]) / ref_speed),
             "saved_bytes_rel": {k: v[key] / v[ref_key] for k, v in memory.items() if isinstance(v, dict)},
-            **{k: float(np.mean([r[k] if k in r else max_weight_x_n(r["receivers"]) for r in routed]))
-               if routed else None for k in ("mean_max_weight", "mean_max_weight_x_n", "mean_entropy")}})
+            **routing_means([f["routing"] for f in got if "routing" in f])})
     return rows
+
+
+ROUTING_MEANS = ("mean_max_weight", "mean_max_weight_x_n", "mean_entropy", "mean_similarity_deltas",
+                 "mean_similarity_states")
+
+
+def routing_means(summaries: list[dict]) -> dict:
+    """The routing headline over a row's seeds: {key: mean over the runs' routing summaries, or None} for
+    ROUTING_MEANS (max weight × N computed from the receivers where a summary predates it)."""
+    def value(summary: dict, key: str) -> float | None:
+        return max_weight_x_n(summary["receivers"]) if key not in summary else summary[key]
+    return {k: float(np.mean([value(r, k) for r in summaries])) if summaries else None for k in ROUTING_MEANS}
 
 
 # The grid's factors (plan.GRID): each routed point is one level of each; the authors' variant and the baseline
@@ -242,13 +252,16 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
              f"batch {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]}), relative to the baseline. Routing: "
              f"infra.routing_analysis on 32 held-out windows, mean over receivers with 2+ sources of the per-token "
              f"max weight, of max weight × N (1 for a uniform read over N sources, N for a one-hot one: comparable "
-             f"across methods whose receivers see different N) and of the normalised entropy H(a)/log N."]
+             f"across methods whose receivers see different N) and of the normalised entropy H(a)/log N; key "
+             f"similarity: the mean pairwise cosine of the keys RMSNorm(s_i) a receiver's query sees, for its "
+             f"sources as deltas and as cumulative states (the paper's redundancy, whichever the model routes over)."]
     if not isinstance(memory.get("triton"), dict):
         lines.append(f"Kernel-path memory: {memory.get('triton', 'not measured')}.")
     for section in sections:
         lines += ["", f"## {section.title}", "", section.note, ""]
         head = ["method", "n", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "p", "tok/s vs baseline"]
-        head += [f"saved act. ({p})" for p in paths] + ["max weight", "max weight × N", "norm. entropy"]
+        head += [f"saved act. ({p})" for p in paths] + ["max weight", "max weight × N", "norm. entropy",
+                                                         "key sim. deltas", "key sim. states"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows[section.title]:
             n = len(r["runs"])
@@ -258,7 +271,8 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
                      "—" if r["change"] is None else p_cell(r["change"]), f"{r['tok_per_s_rel']:.2f}x"]
             cells += [f"{r['saved_bytes_rel'][p]:.2f}x" for p in paths]
             cells += [_cell(r["mean_max_weight"], ".3f"), _cell(r["mean_max_weight_x_n"], ".2f"),
-                      _cell(r["mean_entropy"], ".3f")]
+                      _cell(r["mean_entropy"], ".3f"), _cell(r["mean_similarity_deltas"], ".3f"),
+                      _cell(r["mean_similarity_states"], ".3f")]
             lines.append("| " + " | ".join(cells) + " |")
         places = sorted({o for r in rows[section.title] for o in r["origins"]})
         if places:

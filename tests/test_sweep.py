@@ -63,7 +63,9 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     header = next(line for line in table if line.startswith("| method"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
         "method", "n", "seeds", "steps", "wall s", "val PPL", "PPL vs baseline", "p", "tok/s vs baseline",
-        "saved act. (reference)", "max weight", "max weight × N", "norm. entropy"]
+        "saved act. (reference)", "max weight", "max weight × N", "norm. entropy", "key sim. deltas",
+        "key sim. states"]
+    assert 0 < db["mean_similarity_states"] <= 1 and db["mean_similarity_deltas"] is not None
     assert any(line.startswith("| delta_block | 1 | 0 | 6 |") for line in table)
     assert db["mean_max_weight_x_n"] == pytest.approx(saved["runs"]["db_s0"]["routing"]["mean_max_weight_x_n"])
     here = saved["runs"]["db_s0"]["origin"]                 # where each run trained, from its own log
