@@ -166,11 +166,14 @@ ROUTING_MEANS = ("mean_max_weight", "mean_max_weight_x_n", "mean_entropy", "mean
 
 
 def routing_means(summaries: list[dict]) -> dict:
-    """The routing headline over a row's seeds: {key: mean over the runs' routing summaries, or None} for
-    ROUTING_MEANS (max weight × N computed from the receivers where a summary predates it)."""
-    def value(summary: dict, key: str) -> float | None:
-        return max_weight_x_n(summary["receivers"]) if key not in summary else summary[key]
-    return {k: float(np.mean([value(r, k) for r in summaries])) if summaries else None for k in ROUTING_MEANS}
+    """The routing headline over a row's seeds: {key: mean over the runs' routing summaries that have it, or
+    None} for ROUTING_MEANS (max weight × N computed from the receivers where a summary predates it; a summary
+    from before the key similarities has None for them)."""
+    def mean(key: str) -> float | None:
+        values = [max_weight_x_n(r["receivers"]) if key not in r else r[key] for r in summaries]
+        values = [v for v in values if v is not None]
+        return float(np.mean(values)) if values else None
+    return {k: mean(k) for k in ROUTING_MEANS}
 
 
 # The grid's factors (plan.GRID): each routed point is one level of each; the authors' variant and the baseline

@@ -278,3 +278,16 @@ def test_runs_pair_only_with_a_baseline_run_from_the_same_place(tmp_path):
     with pytest.raises(ValueError, match="trained in 2 places"):
         report.origin(log)
     assert report.origin(log[:2]) == here and report.origin([{"step": 1}]) is None
+
+
+def test_routing_means_skip_what_an_older_summary_lacks():
+    receivers = [{"max_weight": 0.5, "n_sources": 4}, {"max_weight": 1.0, "n_sources": 1}]
+    new = {"mean_max_weight": 0.5, "mean_max_weight_x_n": 2.0, "mean_entropy": 0.8, "mean_similarity_deltas": 0.1,
+           "mean_similarity_states": 0.5, "receivers": receivers}
+    old = {"mean_max_weight": 0.7, "mean_entropy": 0.6, "mean_similarity_deltas": None,
+           "mean_similarity_states": None, "receivers": [{"max_weight": 0.75, "n_sources": 4}]}
+    means = report.routing_means([new, old])
+    assert means["mean_max_weight_x_n"] == pytest.approx((2.0 + 3.0) / 2)    # the old one's from its receivers
+    assert means["mean_similarity_deltas"] == pytest.approx(0.1) and means["mean_entropy"] == pytest.approx(0.7)
+    assert report.routing_means([old])["mean_similarity_states"] is None
+    assert report.routing_means([]) == dict.fromkeys(report.ROUTING_MEANS)
