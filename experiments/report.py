@@ -60,18 +60,26 @@ def saved_bytes_triton(configs: dict[str, dict], timeout_s: float) -> dict[str, 
 
 def routing_summary(out_dir: str) -> dict:
     """routing_analysis.routing_analysis of the run's checkpoint over 32 held-out windows of its training length,
-    kept in OUT/runs/<run>/routing.json (and in OUT/results.json), so a report made again needs no checkpoint."""
+    kept in OUT/runs/<run>/routing.json (and in OUT/results.json), so a report made again needs no checkpoint;
+    compact(), as the sweep's tables and plots need it."""
     path = os.path.join(out_dir, "routing.json")
     if os.path.isfile(path):
         with open(path) as f:
-            return json.load(f)
+            return compact(json.load(f))
     model, ckpt = trained.load_model(out_dir)
     arrays, _ = evaluation.load_tokens(ckpt, model, None, "val")
-    summary = routing_analysis(model, arrays, trained.context_length(ckpt), n_windows=32)
+    summary = compact(routing_analysis(model, arrays, trained.context_length(ckpt), n_windows=32))
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f)
     os.replace(path + ".tmp", path)
     return summary
+
+
+def compact(summary: dict) -> dict:
+    """A routing summary without its receivers' key-similarity matrices (N x N per view: 8 MB for 36 fine-grained
+    layers), which no sweep table or plot reads; their means stay (`eval.py --routing` writes them in full)."""
+    return {**summary, "receivers": [{k: v for k, v in r.items() if k != "similarity_matrix"}
+                                     for r in summary["receivers"]]}
 
 
 # What must agree for two runs to be compared: the same seed trains to other digits on another CPU, ISA level,
@@ -109,7 +117,9 @@ def run_figures(run: Run, out: str, kept: dict | None = None) -> dict | None:
     log = read_log(out_dir)
     final = next((r for r in log if r.get("final")), None)
     if final is None:
-        return kept if kept is not None and kept.get("overrides") == run.overrides else None
+        if kept is None or kept.get("overrides") != run.overrides:
+            return None
+        return {**kept, "routing": compact(kept["routing"])} if "routing" in kept else kept
     speeds = [r["tok_per_s"] for r in log if "tok_per_s" in r]
     speeds = speeds[1:] or speeds          # the first interval includes start-up, unless it is the only one
     cfg = model_config(run)

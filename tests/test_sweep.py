@@ -77,6 +77,8 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
     os.remove(os.path.join(out, "runs", "db_s0", "routing.json"))
     report.summarise(tiny, out, triton=False, invocation_s=1.0, command="test")   # writes it again
     assert json.load(open(os.path.join(out, "runs", "db_s0", "routing.json"))) == saved["runs"]["db_s0"]["routing"]
+    receivers = saved["runs"]["db_s0"]["routing"]["receivers"]
+    assert "similarity_matrix" not in receivers[-1] and receivers[-1]["similarity_deltas"] is not None
     for name in ("base_s0", "db_s0"):
         for f in os.listdir(os.path.join(out, "runs", name)):
             if f.endswith(".pt"):
