@@ -292,7 +292,8 @@ def markdown(sections: list[Section], rows: dict[str, list[dict]], memory: dict,
             lines += ["", "Trained on: " + "; ".join(places) + "."]
         unpaired = [n for r in rows[section.title] for n in r["unpaired"]]
         if unpaired:
-            lines.append(f"Left out, with no baseline run of their seed from the same place: {', '.join(unpaired)}.")
+            lines.append(f"Left out, with no finished baseline run of their seed from the same place: "
+                         f"{', '.join(unpaired)}.")
         if (effects or {}).get(section.title):
             lines += factorial_markdown(effects[section.title])
     return "\n".join(lines) + "\n"
