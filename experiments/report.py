@@ -83,14 +83,14 @@ def compact(summary: dict) -> dict:
 
 
 # What must agree for two runs to be compared: the same seed trains to other digits on another CPU, ISA level,
-# thread count, torch or commit.
-ORIGIN_KEYS = ("cpu", "isa", "threads", "torch", "commit")
+# thread count, torch or code (a commit, and whether tracked files differed from it).
+ORIGIN_KEYS = ("cpu", "isa", "threads", "torch", "commit", "dirty")
 
 
 def origin(log: list[dict]) -> dict | None:
     """Where a run trained, from the provenance records train.py writes at every start of the run (None for a
     log from before they existed); a run resumed elsewhere has no single origin and is refused."""
-    places = [{k: r["provenance"].get(k) for k in ORIGIN_KEYS + ("dirty",)} for r in log if "provenance" in r]
+    places = [{k: r["provenance"].get(k) for k in ORIGIN_KEYS} for r in log if "provenance" in r]
     if any(p != places[0] for p in places[1:]):
         raise ValueError(f"a run trained in {len(places)} places ({places}): it compares with no other run")
     return places[0] if places else None
@@ -105,8 +105,9 @@ def origin_key(figures: dict) -> tuple:
 def origin_label(key: tuple) -> str:
     if key == ("not recorded",):
         return "not recorded"
-    cpu, isa, threads, torch_version, commit = key
-    return f"{cpu}, {isa}, {threads} thread{'s' * (threads != 1)}, torch {torch_version}, commit {commit[:8]}"
+    cpu, isa, threads, torch_version, commit, dirty = key
+    return (f"{cpu}, {isa}, {threads} thread{'s' * (threads != 1)}, torch {torch_version}, commit {commit[:8]}"
+            + (" with uncommitted changes" if dirty else ""))
 
 
 def run_figures(run: Run, out: str, kept: dict | None = None) -> dict | None:
