@@ -32,9 +32,8 @@ from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import SourceTable, aligned, cdiv, launch, register_budget, row_tiles, source_table
-from depth_kernels.tiles import (folded_query, logit, read_table, row_cols, row_colsum, row_div, row_dot, row_load,
-                                 row_masks, row_offsets, row_own, row_scale, row_store, row_zeros, source_grad,
-                                 table_source)
+from depth_kernels.tiles import (dot_source, folded_query, grad_source, read_table, row_cols, row_div, row_load,
+                                 row_masks, row_offsets, row_own, row_store, row_zeros)
 
 # -------------------------------------------------------------------------------------------- kernels
 
@@ -78,23 +77,15 @@ def _route_bwd(table, n_a, n_b, grad_a_ptr, grad_b_ptr, slab, q_ptr, g_ptr, go_p
     # pass 1: D = go . r = sum_i a_i (go . s_i), the softmax backward's shared term
     D = tl.zeros((BLOCK_M,), tl.float32)
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, masks)
-        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
+        D += dot_source(table, i, A_DTYPE, offs, masks, go, u, lse, d, eps)
     for i in tl.range(n_a, n, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, masks)
-        D += tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
+        D += dot_source(table, i, B_DTYPE, offs, masks, go, u, lse, d, eps)
     # pass 2, keys recomputed: each source's gradient, and du = sum over rows and sources of dz rstd s
     du = row_zeros(1, cols)
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, masks)
-        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
-        du = row_colsum(du, row_scale(s, dz_rstd))
-        row_store(grad_a_ptr + i * slab, offs, ds, masks)
+        du = grad_source(table, i, A_DTYPE, offs, masks, go, u, lse, D, d, eps, du, grad_a_ptr + i * slab, 0)
     for i in tl.range(n_a, n, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, masks)
-        ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
-        du = row_colsum(du, row_scale(s, dz_rstd))
-        row_store(grad_b_ptr + (i - n_a) * slab, offs, ds, masks)
+        du = grad_source(table, i, B_DTYPE, offs, masks, go, u, lse, D, d, eps, du, grad_b_ptr + (i - n_a) * slab, 0)
     row_store(du_ptr, row_offsets(pid.to(tl.int64) * d, cols), du, row_own(own))   # one partial sum per program
 
 

@@ -56,6 +56,20 @@ def _receiver_queries(q_ptr, g_ptr, recv, recv_ok, cols, own, d):
 
 
 @triton.jit
+def _fold_step(addresses, j, hi, start, u, m, l, acc, d, eps, DTYPE: tl.constexpr, CB: tl.constexpr,
+               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr, F32_DOT: tl.constexpr):
+    """One step of phase 1's fold at a token row: sources j.. (before hi) of one dtype into (m, l, acc), CB of
+    them for bf16, one for fp32 or fp16 (as three bf16 parts)."""
+    if DTYPE == tl.bfloat16:
+        s, ok = block_rows(addresses, j, j, hi, start, d, DTYPE, CB, CHUNK, CHUNKS, W)
+        m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
+    else:
+        s = parts_rows(addresses, j, start, d, DTYPE, CB, CHUNK, CHUNKS, W)
+        m, l, acc = fold_block(s, tl.arange(0, CB) == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
+    return m, l, acc
+
+
+@triton.jit
 def _read_row(table, addresses, n_a, n_b, row, u, recv, recv_ok, state_ptr, lse_c_ptr, slab, M, d, eps,
               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, CB: tl.constexpr, A_STEP: tl.constexpr,
               B_STEP: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
@@ -69,21 +83,12 @@ def _read_row(table, addresses, n_a, n_b, row, u, recv, recv_ok, state_ptr, lse_
     acc = ()
     for c in tl.static_range(CHUNKS):
         acc = acc + (tl.zeros((W, CHUNK // W, R), tl.float32),)
-    i = tl.arange(0, CB)
-    for a in tl.range(0, n_a, A_STEP, num_stages=STAGES // CB):
-        if A_DTYPE == tl.bfloat16:
-            s, ok = block_rows(addresses, a, a, n_a, start, d, A_DTYPE, CB, CHUNK, CHUNKS, W)
-            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
-        else:
-            s = parts_rows(addresses, a, start, d, A_DTYPE, CB, CHUNK, CHUNKS, W)
-            m, l, acc = fold_block(s, i == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
+    for a in tl.range(0, n_a, A_STEP, num_stages=STAGES // CB):        # a loop per dtype: see tiles.fold_source
+        m, l, acc = _fold_step(addresses, a, n_a, start, u, m, l, acc, d, eps, A_DTYPE, CB, CHUNK, CHUNKS, W,
+                               F32_DOT)
     for b in tl.range(n_a, n_a + n_b, B_STEP, num_stages=STAGES // CB):
-        if B_DTYPE == tl.bfloat16:
-            s, ok = block_rows(addresses, b, b, n_a + n_b, start, d, B_DTYPE, CB, CHUNK, CHUNKS, W)
-            m, l, acc = fold_block(s, ok, u, m, l, acc, d, eps, 1, CHUNK, CHUNKS, W, F32_DOT)
-        else:
-            s = parts_rows(addresses, b, start, d, B_DTYPE, CB, CHUNK, CHUNKS, W)
-            m, l, acc = fold_block(s, i == 0, u, m, l, acc, d, eps, 3, CHUNK, CHUNKS, W, F32_DOT)
+        m, l, acc = _fold_step(addresses, b, n_a + n_b, start, u, m, l, acc, d, eps, B_DTYPE, CB, CHUNK, CHUNKS,
+                               W, F32_DOT)
     out = state_ptr + recv[None, None, :].to(tl.int64) * slab + start
     for c in tl.static_range(CHUNKS):
         cols = chunk_cols(c, CHUNK, W)                                        # (W, K, 1)
@@ -139,10 +144,11 @@ def _group_fwd_rows(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_
 
 
 @triton.jit
-def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps,
-                    H: tl.constexpr, GROUPS: tl.constexpr):
+def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H: tl.constexpr,
+                    GROUPS: tl.constexpr, grad, offs, masks, accumulate):
     """One committed source row s (split: (1, width) tiles), summed over receivers r0 + [0, GROUPS H) taken in
-    GROUPS groups of H: its gradient ds (split like s), and du with each receiver's term dz rstd s added. U and
+    GROUPS groups of H: its gradient ds (split like s), written or added (accumulate) to its accumulator row
+    `grad`, and du returned with each receiver's term dz rstd s added. U and
     du are tuples of the groups' folded queries and du sums (split rows of (H, width) tiles), D and lse of their
     (H,) per-row scalars. A group's go rows (go_row + receiver slab) are read here for each source and used at
     once: U and du are all a pass holds across the sources, which lets 8 receivers share one program's
@@ -174,7 +180,8 @@ def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, ep
             du_g = row_add(du_g, row_scale(s, dz_rstd))
             shrink += tl.sum(dz_rstd * z, axis=0)
         new_du = new_du + (du_g,)
-    return row_axpy(-(shrink * rstd / d), s, ds), new_du
+    accumulate_grad(grad, row_axpy(-(shrink * rstd / d), s, ds), offs, masks, accumulate)
+    return new_du
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
@@ -211,17 +218,14 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
                 recv = r0 + g * H + k
                 D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
                 lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
-            for i in tl.range(0, n_a, num_stages=STAGES):
-                s = table_source(table, i, A_DTYPE, offs, masks)
-                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
-                                         GROUPS)
-                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
+            for i in tl.range(0, n_a, num_stages=STAGES):                  # a loop per dtype: tiles.fold_source
+                du = _committed_grad(table_source(table, i, A_DTYPE, offs, masks), U, du, go_row, D, lse, r0,
+                                     n_recv, slab, cols, own, d, eps, H, GROUPS,
+                                     acc_a_ptr + (off_a + i).to(tl.int64) * slab, offs, masks, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = table_source(table, i, B_DTYPE, offs, masks)
-                ds, du = _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H,
-                                         GROUPS)
-                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks,
-                                    accumulate)
+                du = _committed_grad(table_source(table, i, B_DTYPE, offs, masks), U, du, go_row, D, lse, r0,
+                                     n_recv, slab, cols, own, d, eps, H, GROUPS,
+                                     acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, offs, masks, accumulate)
     out = row_offsets(pid.to(tl.int64) * R_BLOCK * d + k[:, None] * d, cols)
     for g in tl.static_range(GROUPS):
         for c in tl.static_range(len(cols)):

@@ -21,10 +21,11 @@ from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import DTYPES, SourceTable, cdiv, launch, register_budget, row_tiles, slab_of, slot_view, wave
-from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
-                                 null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot,
-                                 row_load, row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store,
-                                 row_sub, row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
+from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, grad_source,
+                                 logit, mix, mix_source, null_source, read_table, row_add, row_axpy, row_cols,
+                                 row_colsum, row_div, row_dot, row_load, row_masks, row_mul, row_offsets, row_own,
+                                 row_round, row_scale, row_store, row_sub, row_vector, row_zeros, softmax_step,
+                                 source_grad, start_state)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -123,11 +124,9 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
             r = row_scale(r, tl.exp(m - lse))
             if HAS_TABLE:
                 for i in tl.range(0, n_a, num_stages=STAGES):
-                    s = table_source(table, i, A_DTYPE, offs, masks)
-                    r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
+                    r = mix_source(table, i, A_DTYPE, offs, masks, u, d, eps, lse, r)
                 for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                    s = table_source(table, i, B_DTYPE, offs, masks)
-                    r = row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
+                    r = mix_source(table, i, B_DTYPE, offs, masks, u, d, eps, lse, r)
             if HAS_DIFF:                  # (+ the partial block's term, + a learned null's)
                 r = row_axpy(tl.exp(logit(p, u, d, eps)[0] - lse), p, r)
             if NULL == NULL_LEARNED:
@@ -168,15 +167,11 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
             tl.store(D_ptr + slot.to(tl.int64) * M + rows, D, mask=row_ok)
         if HAS_TABLE:
             for i in tl.range(0, n_a, num_stages=STAGES):
-                s = table_source(table, i, A_DTYPE, offs, masks)
-                ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
-                du = row_colsum(du, row_scale(s, dz_rstd))
-                accumulate_grad(acc_a_ptr + (off_a + i).to(tl.int64) * slab, ds, offs, masks, accumulate)
+                du = grad_source(table, i, A_DTYPE, offs, masks, dr, u, lse, D, d, eps, du,
+                                 acc_a_ptr + (off_a + i).to(tl.int64) * slab, accumulate)
             for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                s = table_source(table, i, B_DTYPE, offs, masks)
-                ds, dz_rstd = source_grad(s, dr, u, lse, D, d, eps)
-                du = row_colsum(du, row_scale(s, dz_rstd))
-                accumulate_grad(acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, ds, offs, masks, accumulate)
+                du = grad_source(table, i, B_DTYPE, offs, masks, dr, u, lse, D, d, eps, du,
+                                 acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, accumulate)
         if SUMS and HAS_TABLE:            # last, when few registers are live: dh += the group's slots
             tl.debug_barrier()            # dh stored above by this program's threads, now read back
             dh = add_slots(row_load(dh_ptr, offs, masks), dsum_ptr, dsum_lo, dsum_hi, slab, offs, masks)

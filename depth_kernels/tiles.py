@@ -203,12 +203,46 @@ def read_table(table, n_a, n_b, offs, masks, u, d, eps, m, l, acc,
     """Fold every source of an address table (n_a of A_DTYPE, then n_b of B_DTYPE: one pipelined loop per
     dtype) into the online-softmax state (m, l, acc) of the rows at offs."""
     for i in tl.range(0, n_a, num_stages=STAGES):
-        s = table_source(table, i, A_DTYPE, offs, masks)
-        m, l, acc = softmax_step(m, l, acc, s, logit(s, u, d, eps)[0])
+        m, l, acc = fold_source(table, i, A_DTYPE, offs, masks, u, d, eps, m, l, acc)
     for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-        s = table_source(table, i, B_DTYPE, offs, masks)
-        m, l, acc = softmax_step(m, l, acc, s, logit(s, u, d, eps)[0])
+        m, l, acc = fold_source(table, i, B_DTYPE, offs, masks, u, d, eps, m, l, acc)
     return m, l, acc
+
+
+# One source's step of each pass over a table. A table holds two runs of sources, one per dtype, and a pipelined
+# loop loads one dtype, so every pass is a loop pair whose body is one of these. The loops stay in the kernels:
+# meters/sass.py knows a loop by the line of its `for`, and two inlined copies of one helper's loop would share
+# it (the compiled code's line records name no call site).
+
+@triton.jit
+def fold_source(table, i, DTYPE: tl.constexpr, offs, masks, u, d, eps, m, l, acc):
+    """Source i of the table (of DTYPE) folded into the online-softmax state (m, l, acc)."""
+    s = table_source(table, i, DTYPE, offs, masks)
+    return softmax_step(m, l, acc, s, logit(s, u, d, eps)[0])
+
+
+@triton.jit
+def mix_source(table, i, DTYPE: tl.constexpr, offs, masks, u, d, eps, lse, r):
+    """r + exp(z_i - lse) s_i for source i of the table: a read-out recomputed from its lse."""
+    s = table_source(table, i, DTYPE, offs, masks)
+    return row_axpy(tl.exp(logit(s, u, d, eps)[0] - lse), s, r)
+
+
+@triton.jit
+def dot_source(table, i, DTYPE: tl.constexpr, offs, masks, go, u, lse, d, eps):
+    """a_i (go . s_i) for source i of the table: its term of D = go . r, the softmax backward's shared term."""
+    s = table_source(table, i, DTYPE, offs, masks)
+    return tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
+
+
+@triton.jit
+def grad_source(table, i, DTYPE: tl.constexpr, offs, masks, go, u, lse, D, d, eps, du, grad, accumulate):
+    """Source i's gradient given dL/dr = go, written or added (accumulate) to its accumulator row `grad`; returns
+    du + its term of the query's gradient."""
+    s = table_source(table, i, DTYPE, offs, masks)
+    ds, dz_rstd = source_grad(s, go, u, lse, D, d, eps)
+    accumulate_grad(grad, ds, offs, masks, accumulate)
+    return row_colsum(du, row_scale(s, dz_rstd))
 
 
 @triton.jit
