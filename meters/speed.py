@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -40,8 +41,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("1044m_delta", "1044m_delta_block")
 TOKENS = (4, 1024)
 MEASURED = os.path.join(ROOT, "results", "gpu", "h200_ae83ce1", "kernels.json")
-MEASURED_KERNELS = os.path.join(ROOT, "results", "gpu", "h200_ae83ce1", "kernels")   # their group_read, receiver_read
+# their group_read and receiver_read, and the tiles.py they import as measured_tiles, verbatim but for imports
+MEASURED_KERNELS = os.path.join(ROOT, "results", "gpu", "h200_ae83ce1", "kernels")
+# what the measured kernels take from today's depth_kernels/launch.py that sets their compiled code and launch
+# shape (launching itself, the observers' plumbing, may change)
+LAUNCH_CONFIGURATION = ("SourceTable", "source_table", "aligned", "cdiv", "register_budget", "row_tiles", "row_split",
+                        "wave", "slab_of", "slot_view", "slots", "_sm_count")
 TOLERANCE = 1.5             # the calibration's bound on predicted / measured, either way
+
+
+def launch_configuration_digest() -> str:
+    """sha256 of LAUNCH_CONFIGURATION's source in today's launch.py."""
+    from depth_kernels import launch
+    code = "".join(inspect.getsource(getattr(launch, name)) for name in LAUNCH_CONFIGURATION)
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+def measured_sources_unchanged() -> bool:
+    """Whether the measured kernels' copies and today's launch configuration are what kernels.json recorded when
+    they were measured: the calibration compares the model with the code the H200 ran only while they are."""
+    with open(MEASURED) as f:
+        recorded = json.load(f)
+    files = all(hashlib.sha256(open(os.path.join(ROOT, path), "rb").read()).hexdigest() == digest
+                for path, digest in recorded["sources"].items())
+    return files and recorded.get("launch_configuration") == launch_configuration_digest()
 
 
 def training_launches(config: str) -> list[tuple[Launch, int]]:
@@ -56,13 +79,15 @@ def training_launches(config: str) -> list[tuple[Launch, int]]:
 @contextlib.contextmanager
 def measured_kernels() -> Iterator[None]:
     """The model's path runs the phase-1 and receiver modules that the H200 measured (kept verbatim in
-    MEASURED_KERNELS; their helpers, tiles.py and launch.py, are checked unchanged by kernels.json's hashes) in
+    MEASURED_KERNELS with the tiles.py they import; launch.py's part is checked unchanged by
+    measured_sources_unchanged) in
     place of today's, so that the calibration compares the model with the code it measured, whatever the kernels
     are now. Their specialisations share names with today's: time them with a compiled dict of their own."""
     from depth_kernels import grouped_state, groups
     modules = {}
-    for name in ("group_read", "receiver_read"):
-        spec = importlib.util.spec_from_file_location(f"measured_{name}", os.path.join(MEASURED_KERNELS, f"{name}.py"))
+    for name in ("measured_tiles", "group_read", "receiver_read"):
+        module = name if name.startswith("measured_") else f"measured_{name}"    # the copies import measured_tiles
+        spec = importlib.util.spec_from_file_location(module, os.path.join(MEASURED_KERNELS, f"{name}.py"))
         modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # dataclasses look it up
         spec.loader.exec_module(modules[name])
     patches = [(grouped_state, name, modules["group_read"]) for name in ("group_forward", "group_backward")]

@@ -12,8 +12,6 @@ import os
 import subprocess
 import sys
 
-import hashlib
-
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,17 +133,27 @@ def test_the_speed_rule_catches_phase_one_backward_as_measured_on_the_h200(compi
     assert any("1 program(s) per SM < 2" in p for p in found), found
 
 
-def _measured_sources_unchanged() -> bool:
-    with open(os.path.join(ROOT, "results", "gpu", "h200_ae83ce1", "kernels.json")) as f:
-        sources = json.load(f)["sources"]
-    return all(hashlib.sha256(open(os.path.join(ROOT, path), "rb").read()).hexdigest() == digest
-               for path, digest in sources.items())
+def test_the_calibration_sees_when_the_measured_code_changed(monkeypatch, tmp_path):
+    """The measured kernels' copies and launch.py's configuration helpers are as recorded; a changed helper or a
+    changed copy is seen."""
+    from meters import speed
+    assert speed.measured_sources_unchanged()
+    monkeypatch.setattr(speed, "LAUNCH_CONFIGURATION", speed.LAUNCH_CONFIGURATION[:-1])
+    assert not speed.measured_sources_unchanged()
+    monkeypatch.undo()
+    recorded = json.load(open(speed.MEASURED))
+    path = next(iter(recorded["sources"]))
+    recorded["sources"][path] = "0" * 64
+    (tmp_path / "kernels.json").write_text(json.dumps(recorded))
+    monkeypatch.setattr(speed, "MEASURED", str(tmp_path / "kernels.json"))
+    assert not speed.measured_sources_unchanged()
 
 
 def test_the_speed_model_predicts_the_measured_h200_kernels_within_1_5x(compiled):
     """Each 1044M training kernel's predicted time against the H200's (results/gpu/h200_ae83ce1: the profiler's
     per-call mean, else Nsight Compute's one launch), while the kernel sources are the ones measured."""
-    if not _measured_sources_unchanged():
+    from meters import speed
+    if not speed.measured_sources_unchanged():
         pytest.skip("the kernels changed since results/gpu/h200_ae83ce1 was measured: measure them again")
     rows = compiled["calibration"]
     assert len(rows) == 8

@@ -36,9 +36,9 @@ from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import SourceTable, cdiv, launch, register_budget, row_tiles, wave
-from depth_kernels.tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
-                                 row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
-                                 table_source)
+from measured_tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
+                            row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
+                            table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 

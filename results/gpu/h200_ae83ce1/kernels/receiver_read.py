@@ -21,10 +21,10 @@ from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import DTYPES, SourceTable, cdiv, launch, register_budget, row_tiles, slab_of, slot_view, wave
-from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
-                                 null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot,
-                                 row_load, row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store,
-                                 row_sub, row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
+from measured_tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, logit, mix,
+                            null_source, read_table, row_add, row_axpy, row_cols, row_colsum, row_div, row_dot,
+                            row_load, row_masks, row_mul, row_offsets, row_own, row_round, row_scale, row_store,
+                            row_sub, row_vector, row_zeros, softmax_step, source_grad, start_state, table_source)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
