@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import eval as evaluation
 from infra import shards, trained
-from experiments.report import origin, origin_key
+from experiments.report import origin
 from experiments.runner import read_log
 
 
@@ -65,8 +65,9 @@ def curve_std(logs: dict[str, list[dict]], method: str, baseline: str, seeds: li
 
 
 def same_place(a: list[dict], b: list[dict]) -> bool:
-    """Whether two runs' logs trained on one machine and commit (report.origin_key)."""
-    return origin_key({"origin": origin(a)}) == origin_key({"origin": origin(b)})
+    """Whether two runs' logs trained on one machine and commit (report.origin: both unrecorded counts as one
+    place, as the report pairs them)."""
+    return origin(a) == origin(b)
 
 
 def measure(sweep: str, baseline: str, methods: list[str], eval_windows: int) -> dict:
