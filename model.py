@@ -33,55 +33,6 @@ def uses_kernel(kernel: str, device: torch.device) -> bool:
     return device.type == "cuda" if kernel == "auto" else kernel == "triton"
 
 
-@dataclass
-class ModelConfig:
-    vocab_size: int = 257
-    d_model: int = 256
-    n_layers: int = 8
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 64
-    d_ff: int = 1024
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    out_init: str = "scaled"            # "scaled": o_proj and down_proj at init_std / sqrt(2 L); "plain": every
-                                        # matrix at init_std (the authors' code); Model.init_weights
-    # depth routing (router.py)
-    residual: str = "baseline"          # one of router.METHODS
-    n_blocks: int = 4                   # blocks K for attnres / delta_block (docs/method.md, "Block counts")
-    block_split: str = "even"           # attnres / delta_block (like n_blocks, ignored by the other methods): "even"
-                                        # (block b starts at layer floor(b L / K)) or "ceil" (the authors' code:
-                                        # blocks of ceil(L / K) layers); router.block_starts
-    block_source: str = "boundary"      # delta_block: "boundary" (the stream's change across each block, the
-                                        # default) or "paper" (the authors' computation exactly: router.make_policy)
-    sources: str = "deltas"             # routed methods: "deltas" (changes of the stream: the five methods) or
-                                        # "states" (the stream itself at each commit; router.Policy.sources)
-    include_partial: bool = True        # delta_block, boundary sources: the current partial block is a source
-                                        # (the paper's variant never has one)
-    null_source: bool = False           # an extra null source per receiver
-    learned_null: bool = False          # the null source is a learned vector per receiver (zero at init), not 0
-    gate: bool = False                  # zero-init scalar gate per receiver: exact identity at init
-    query_init_std: float | None = None  # routers' queries start at N(0, std); 0 = zero queries. None: 0 (as the
-                                        # paper states), or GATED_QUERY_INIT_STD with gate=True (query_std)
-    kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
-
-    def __post_init__(self):
-        check_model_config(self)      # each field against its allowed values, then across fields (end of file)
-
-    @property
-    def query_std(self) -> float:
-        """The routers' query init std: query_init_std, or its default (None) resolved, 0 or gated 0.02."""
-        if self.query_init_std is not None:
-            return self.query_init_std
-        return GATED_QUERY_INIT_STD if self.gate else 0.0
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -262,6 +213,57 @@ class Model(nn.Module):
             norms = [norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             return GroupedDepthState(*args, norms=norms + [self.norm])
         return DepthState(*args)
+
+
+# ------------------------------------------------------------------------------ the configuration
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    d_ff: int = 1024
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    out_init: str = "scaled"            # "scaled": o_proj and down_proj at init_std / sqrt(2 L); "plain": every
+                                        # matrix at init_std (the authors' code); Model.init_weights
+    # depth routing (router.py)
+    residual: str = "baseline"          # one of router.METHODS
+    n_blocks: int = 4                   # blocks K for attnres / delta_block (docs/method.md, "Block counts")
+    block_split: str = "even"           # attnres / delta_block (like n_blocks, ignored by the other methods): "even"
+                                        # (block b starts at layer floor(b L / K)) or "ceil" (the authors' code:
+                                        # blocks of ceil(L / K) layers); router.block_starts
+    block_source: str = "boundary"      # delta_block: "boundary" (the stream's change across each block, the
+                                        # default) or "paper" (the authors' computation exactly: router.make_policy)
+    sources: str = "deltas"             # routed methods: "deltas" (changes of the stream: the five methods) or
+                                        # "states" (the stream itself at each commit; router.Policy.sources)
+    include_partial: bool = True        # delta_block, boundary sources: the current partial block is a source
+                                        # (the paper's variant never has one)
+    null_source: bool = False           # an extra null source per receiver
+    learned_null: bool = False          # the null source is a learned vector per receiver (zero at init), not 0
+    gate: bool = False                  # zero-init scalar gate per receiver: exact identity at init
+    query_init_std: float | None = None  # routers' queries start at N(0, std); 0 = zero queries. None: 0 (as the
+                                        # paper states), or GATED_QUERY_INIT_STD with gate=True (query_std)
+    kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
+
+    def __post_init__(self):
+        check_model_config(self)      # each field against its allowed values, then across fields (end of file)
+
+    @property
+    def query_std(self) -> float:
+        """The routers' query init std: query_init_std, or its default (None) resolved, 0 or gated 0.02."""
+        if self.query_init_std is not None:
+            return self.query_init_std
+        return GATED_QUERY_INIT_STD if self.gate else 0.0
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
 
 
 # ------------------------------------------------------------------------------ the configuration's checks
