@@ -252,7 +252,7 @@ class ModelConfig:
     kernel: str = "auto"                # depth-routing implementation: one of KERNELS (see uses_kernel)
 
     def __post_init__(self):
-        check_model_config(self)      # each field against its allowed values, then across fields (end of file)
+        check_model_config(self)      # each field against its allowed values, then across fields (below)
 
     @property
     def query_std(self) -> float:
