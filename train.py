@@ -142,7 +142,7 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
     resume_path, resume = checkpoint.resume_point(model_cfg, cfg, ctx)
     train_loader, val_loader = corpus.open_loaders(model_cfg, cfg, ctx, micro, resume)
     raw, model, optimizer = _build(model_cfg, cfg, ctx, model, groups)
-    run = Run(gpu_busy=runlog.GpuBusy(device))
+    run = Run(gpu_busy=runlog.GpuBusy(device), guard_on_device=bool(optimizer.defaults.get("fused")))
     if resume is not None:
         checkpoint.restore(model, optimizer, resume_path)
         train_loader.load_state_dict(resume["loader"])
@@ -171,12 +171,14 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
                 break
 
             # ---- one optimizer step: grad_accum micro-batches, gradients reduced over ranks at the last one
-            mean_loss, grad_norm, lr = _optimizer_step(run, cfg, ctx, model, optimizer, train_loader, grad_accum,
-                                                       stop)
-            # ---- log: a skipped step at once (max_bad_steps in a row stop the run), the others every log_interval
-            _check_skipped(run, cfg, log, mean_loss, grad_norm)
+            _optimizer_step(run, cfg, ctx, model, optimizer, train_loader, grad_accum)
+            if not run.read_due(cfg):
+                continue                            # the device keeps the figures until a step that reads them
+            # ---- read and log: skipped steps as read (max_bad_steps in a row stop the run), the rest every
+            # log_interval; the flags (time budget, signal, ckpt_minutes) act from here
+            mean_loss, grad_norm = _read_figures(run, cfg, ctx, log, stop)
             if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps or run.signalled or run.out_of_time:
-                _log_progress(run, model_cfg, cfg, ctx, log, mean_loss, grad_norm, lr)
+                _log_progress(run, model_cfg, cfg, ctx, log, mean_loss, grad_norm, run.lr)
 
             # ---- evaluate every eval_interval steps (the end has its own evaluation)
             if run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps and not (run.signalled or
@@ -211,6 +213,16 @@ class Run:
     t_log: float = 0.0                      # where the interval of the next log line starts,
     t_saved: float = 0.0                    # and the last save
     gpu_busy: runlog.GpuBusy | None = None  # a logged step's GPU time, beside the wall time per step
+    guard_on_device: bool = False           # the NaN guard decided on the device (a fused AdamW's found_inf)
+    pending: list[torch.Tensor] = field(default_factory=list)   # the (2,) figures of the steps not yet read
+    lr: float = 0.0                         # the last step's
+
+    def read_due(self, cfg: TrainConfig) -> bool:
+        """Every step where the guard needs the host, else steps that log, evaluate, save by interval or end the
+        run: the flags act from a read, so a signal, the time budget or ckpt_minutes wait for the next one."""
+        s = self.step
+        return (not self.guard_on_device or s % cfg.log_interval == 0 or s % cfg.eval_interval == 0
+                or s >= cfg.max_steps or bool(cfg.ckpt_interval and s % cfg.ckpt_interval == 0))
 
     def save_due(self, cfg: TrainConfig) -> bool:
         interval = bool(self.losses) and ((cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.save_now)
@@ -270,53 +282,60 @@ def _report_stop(run: Run, log: runlog.Logger, stop: distributed.StopRequest) ->
 
 
 def _optimizer_step(run: Run, cfg: TrainConfig, ctx: distributed.Context, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, loader: shards.ShardLoader, grad_accum: int,
-                    stop: distributed.StopRequest) -> tuple[float, float, float]:
-    """One step: the gradients, clipped; one collective for the mean loss over ranks and the flags that any one
-    rank may raise, so that every rank stops or saves at the same step (clocks and signals differ between
-    processes); then one read from the device, with the norm, for the NaN guard: the optimizer steps only when
-    loss and norm are finite. Returns (mean loss, gradient norm, learning rate)."""
-    device = ctx.device
-    lr = lr_at(run.step, cfg)
+                    optimizer: torch.optim.Optimizer, loader: shards.ShardLoader, grad_accum: int) -> None:
+    """One step: the gradients, clipped, then the update, which the NaN guard skips when the mean loss over ranks
+    or the gradient norm is not finite. A fused AdamW's guard is decided on the device (its found_inf skips the
+    update and the step count), so the step only queues work; other optimizers need the verdict on the host, a
+    read per step (free on a CPU). The step's (loss, norm) wait in run.pending for _read_figures."""
+    run.lr = lr_at(run.step, cfg)
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
+        group["lr"] = run.lr * group.get("lr_scale", 1.0)
     run.gpu_busy.start(measured=(run.step + 1) % cfg.log_interval == 0)   # the step that is logged, on a GPU
-    loss_sum = forward_backward(model, loader, grad_accum, device, cfg.precision)
+    loss_sum = forward_backward(model, loader, grad_accum, ctx.device, cfg.precision)
     grad_norm = distributed.clip_grad_norm(model, cfg.grad_clip)          # the global norm, on the device
-    now = time.time()
-    flags = [cfg.time_budget_s > 0 and now - run.t0 >= cfg.time_budget_s, stop.signal is not None,
-             cfg.ckpt_minutes > 0 and now - run.t_saved >= 60 * cfg.ckpt_minutes]
-    stats = distributed.all_reduce(torch.cat([loss_sum[None], torch.tensor(flags, device=device).float()]))
-    loss_total, *raised, grad_norm = torch.cat([stats, grad_norm.float()[None]]).tolist()
-    mean_loss = loss_total / ctx.world_size
-    run.out_of_time, run.signalled, run.save_now = (v > 0 for v in raised)
-    if math.isfinite(mean_loss) and math.isfinite(grad_norm):
+    figures = torch.stack([distributed.all_reduce(loss_sum) / ctx.world_size, grad_norm.float()])  # (2,)
+    finite = torch.isfinite(figures).all()
+    if run.guard_on_device:
+        optimizer.found_inf, optimizer.grad_scale = (~finite).float(), None
         optimizer.step()
-        run.bad_in_a_row = 0
-    else:  # skipped: the weights stay those of the last finite step
-        run.bad_in_a_row += 1
-        run.skipped += 1
+    elif finite.item():
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     run.gpu_busy.stop()
     run.step += 1
     run.steps_since_log += 1
-    run.losses.append(mean_loss)
-    return mean_loss, grad_norm, lr
+    run.pending.append(figures)
 
 
-def _check_skipped(run: Run, cfg: TrainConfig, log: runlog.Logger, mean_loss: float, grad_norm: float) -> None:
-    """A skipped step is logged at once; max_bad_steps in a row stop the run."""
-    if not run.bad_in_a_row:
-        return
-    log({"step": run.step, "skipped": True, "loss": mean_loss, "grad_norm": grad_norm},
-        f"step {run.step:5d} | skipped: loss {mean_loss:.4f}, grad norm {grad_norm:.3f} "
-        f"({run.bad_in_a_row} in a row, {run.skipped} in all)")
-    if run.bad_in_a_row >= cfg.max_bad_steps:
-        raise NonFiniteError(
-            f"{run.bad_in_a_row} steps in a row, up to step {run.step}, had a non-finite loss or gradient norm (the "
-            f"last: loss {mean_loss}, grad norm {grad_norm}) and were skipped, so the run stopped. The newest "
-            f"finite checkpoint is {run.last_saved or 'none (this run saved none)'}: continue from it with --resume "
-            "and a lower lr or grad_clip")
+def _read_figures(run: Run, cfg: TrainConfig, ctx: distributed.Context, log: runlog.Logger,
+                  stop: distributed.StopRequest) -> tuple[float, float]:
+    """One read from the device: the (loss, norm) of the steps since the last read and one collective for the
+    flags any rank may raise, so that every rank stops or saves at the same step (clocks and signals differ
+    between processes). Skipped steps are logged as read; max_bad_steps in a row stop the run. Returns the last
+    step's (mean loss, gradient norm)."""
+    now = time.time()
+    flags = [cfg.time_budget_s > 0 and now - run.t0 >= cfg.time_budget_s, stop.signal is not None,
+             cfg.ckpt_minutes > 0 and now - run.t_saved >= 60 * cfg.ckpt_minutes]
+    raised = distributed.all_reduce(torch.tensor(flags, device=ctx.device).float())
+    values = torch.cat([raised, torch.stack(run.pending).flatten()]).tolist()
+    run.out_of_time, run.signalled, run.save_now = (v > 0 for v in values[:3])
+    for step, loss, norm in zip(range(run.step - len(run.pending) + 1, run.step + 1), values[3::2], values[4::2]):
+        run.losses.append(loss)
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        run.bad_in_a_row, run.skipped = (0, run.skipped) if finite else (run.bad_in_a_row + 1, run.skipped + 1)
+        if finite:
+            continue
+        log({"step": step, "skipped": True, "loss": loss, "grad_norm": norm},
+            f"step {step:5d} | skipped: loss {loss:.4f}, grad norm {norm:.3f} "
+            f"({run.bad_in_a_row} in a row, {run.skipped} in all)")
+        if run.bad_in_a_row >= cfg.max_bad_steps:
+            raise NonFiniteError(
+                f"{run.bad_in_a_row} steps in a row, up to step {step}, had a non-finite loss or gradient norm (the "
+                f"last: loss {loss}, grad norm {norm}) and were skipped, so the run stopped. The newest finite "
+                f"checkpoint is {run.last_saved or 'none (this run saved none)'}: continue from it with --resume "
+                "and a lower lr or grad_clip")
+    run.pending.clear()
+    return loss, norm
 
 
 def _log_progress(run: Run, model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context,
@@ -357,21 +376,10 @@ def _build(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
                                       compile_regions=cfg.compile_regions, compile_mode=cfg.compile_mode,
                                       precision=cfg.precision,
                                       activation_checkpointing=cfg.activation_checkpointing)
-    optimizer = torch.optim.AdamW(_rebind(group_spec, names, raw), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                  fused=ctx.device.type == "cuda" and cfg.parallel == "ddp")
+    fused = cfg.adamw == "fused" or (cfg.adamw == "auto" and ctx.device.type == "cuda")   # under FSDP2 too
+    optimizer = torch.optim.AdamW(distributed.rebind(group_spec, names, raw), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2), fused=fused)
     return raw, wrapped, optimizer
-
-
-def _rebind(groups: list[dict], names: dict[int, str], model: nn.Module) -> list[dict]:
-    """Optimizer groups over `model`'s current parameters: FSDP replaces parameter objects by sharded ones,
-    so groups are carried by parameter name."""
-    params = dict(model.named_parameters())
-    out = []
-    for group in groups:
-        if any(id(p) not in names for p in group["params"]):
-            raise ValueError("an optimizer group holds a tensor that is not a parameter of the model")
-        out.append({**group, "params": [params[names[id(p)]] for p in group["params"]]})
-    return out
 
 
 def main(argv: list[str]) -> dict:

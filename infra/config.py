@@ -71,6 +71,7 @@ class TrainConfig:
     precision: str = "auto"         # "auto" (bf16 on CUDA, fp32 on CPU) | "bf16" | "fp32" | "bf16-params" (the
                                     # whole model in bf16: the authors' code): distributed.py's rule
     activation_checkpointing: bool = False  # recompute each sublayer in backward
+    adamw: str = "auto"             # "auto" (fused on CUDA, torch's per-tensor loop on a CPU) | "fused" | "loop"
     peak_flops: float = 989e12      # per device, for MFU: H100 SXM dense bf16
     wandb: bool = False             # also log to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "delta-attnres"
@@ -109,6 +110,7 @@ TRAIN_RANGES: dict[str, Rule] = {
     "device": one_of(("auto", "cpu", "cuda")), "parallel": one_of(PARALLEL), "precision": one_of(PRECISIONS),
     "compile_backend": NAME, "compile_regions": one_of(COMPILE_REGIONS),
     "compile_mode": one_of(COMPILE_MODES), "weight_decay_on": one_of(WEIGHT_DECAY_ON),
+    "adamw": one_of(("auto", "fused", "loop")),
 }
 
 

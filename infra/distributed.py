@@ -351,7 +351,20 @@ def gradient_sync(model: nn.Module, enabled: bool) -> ContextManager:
     return nullcontext()
 
 
+def rebind(groups: list[dict], names: dict[int, str], model: nn.Module) -> list[dict]:
+    """Optimizer groups over `model`'s current parameters: FSDP replaces parameter objects by sharded ones,
+    so groups are carried by parameter name."""
+    params = dict(model.named_parameters())
+    out = []
+    for group in groups:
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError("an optimizer group holds a tensor that is not a parameter of the model")
+        out.append({**group, "params": [params[names[id(p)]] for p in group["params"]]})
+    return out
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm before clipping (a plain tensor, also when FSDP's gradients are shards)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    """The global gradient norm before clipping (a plain tensor, also when FSDP's gradients are shards). foreach
+    on every device: a few multi-tensor operations, not some per parameter (on a CPU the same numbers)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"), foreach=True)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

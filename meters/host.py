@@ -48,6 +48,9 @@ from infra.config import TrainConfig
 from model import Model, ModelConfig
 
 SHAPE = dict(vocab_size=64, d_model=64, n_layers=36, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=128, n_blocks=8)
+# --step's: narrower, since on a CPU the whole step's tensor work is done where a GPU's would be (the compiled
+# region's kernels, AdamW's and clipping's arithmetic: at d = 64 a quarter of the baseline's step)
+STEP_SHAPE = dict(SHAPE, d_model=16, head_dim=16, d_ff=32)
 METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 BUDGET_S = 6.5e-3
 
@@ -129,38 +132,41 @@ class Batches:
 
 
 class TrainStep:
-    """One method's optimizer step as train.py takes it, at the meter's shape, with every launch skipped."""
+    """One method's optimizer step as train.py takes it on a GPU, at STEP_SHAPE, with every launch skipped:
+    train._optimizer_step with the fused AdamW the GPU gets (its NaN guard on the device), the device read
+    (train._read_figures) at the steps train.py reads it."""
 
-    def __init__(self, residual: str, regions: str, shape: dict = SHAPE, tokens: tuple[int, int] = (1, 16),
+    def __init__(self, residual: str, regions: str, shape: dict | None = None, tokens: tuple[int, int] = (1, 16),
                  backend: str = "inductor"):
         keep_freed_memory()
         settings = dict(REGIONS[regions])
-        model_cfg = ModelConfig(**shape, residual=residual, kernel=settings.pop("kernel"))
+        model_cfg = ModelConfig(**(shape or STEP_SHAPE), residual=residual, kernel=settings.pop("kernel"))
         self.cfg = TrainConfig(device="cpu", batch_size=tokens[0], seq_len=tokens[1], compile_backend=backend,
-                               **settings)
-        ctx = distributed.Context(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
+                               adamw="fused", **settings)
+        self.ctx = distributed.Context(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
         import train                       # the training script's own pieces, as its loop calls them
         self.train = train
-        _, self.model, self.optimizer = train._build(model_cfg, self.cfg, ctx, None, None)
-        self.batches = Batches(shape["vocab_size"], tokens)
+        _, self.model, self.optimizer = train._build(model_cfg, self.cfg, self.ctx, None, None)
+        self.run = train.Run(gpu_busy=runlog.GpuBusy(self.ctx.device), guard_on_device=True)
+        self.batches = Batches(model_cfg.vocab_size, tokens)
+        self.stop = distributed.StopRequest(announce=False)       # never entered: no signal handlers
         self.launches = 0
 
     def step(self) -> float:
-        """Host seconds (CPU time) of one step: forward and backward, clipping, the optimizer, the figures read."""
+        """Host seconds (CPU time) of one step: forward and backward, clipping, the optimizer, the read when due."""
+        run, train = self.run, self.train
         with skipped_launches() as launches:
             start = time.process_time()
-            loss = self.train.forward_backward(self.model, self.batches, 1, torch.device("cpu"), self.cfg.precision)
-            grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip)
-            loss.item(), grad_norm.item()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            train._optimizer_step(run, self.cfg, self.ctx, self.model, self.optimizer, self.batches, 1)
+            if run.read_due(self.cfg):
+                train._read_figures(run, self.cfg, self.ctx, lambda record, line: None, self.stop)
             seconds = time.process_time() - start
         self.launches = len(launches)
         return seconds
 
 
 def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] = tuple(REGIONS),
-                  repeats: int = 10, shape: dict = SHAPE, backend: str = "inductor") -> dict[str, dict]:
+                  repeats: int = 10, shape: dict = STEP_SHAPE, backend: str = "inductor") -> dict[str, dict]:
     """{"method/regions": {"seconds": median host seconds of a whole step, "launches"}}; the steppers take turns,
     a step each per round, so that a slow spell of a shared machine is spread over all of them."""
     torch.set_num_threads(1)
@@ -176,7 +182,7 @@ def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] =
     return {name: {"seconds": statistics.median(t), "launches": steppers[name].launches} for name, t in times.items()}
 
 
-def instructions(method: str, regions: str, steps: int = 3, shape: dict = SHAPE) -> int:
+def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_SHAPE) -> int:
     """Instructions per whole step (callgrind), counted over `steps` steps after two warm-up steps, in a
     process of its own run under valgrind."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
@@ -210,7 +216,8 @@ def main_steps(args: argparse.Namespace) -> None:
     if args.instructions:
         for name, r in results.items():
             r["instructions"] = instructions(*name.split("/"))
-    print(f"host time per optimizer step as train.py takes it, {SHAPE['n_layers']} layers, {SHAPE['n_blocks']} "
+    print(f"host time per optimizer step as train.py takes it on a GPU, {STEP_SHAPE['n_layers']} layers, d = "
+          f"{STEP_SHAPE['d_model']}, {STEP_SHAPE['n_blocks']} "
           f"blocks, launches skipped; regions: {', '.join(f'{k} {v}' for k, v in REGIONS.items())}")
     print(f"{'method':<14}" + "".join(f"{r + ' ms':>16}" for r in REGIONS) + f"{'launches':>10}"
           + ("".join(f"{r + ' Minstr':>18}" for r in REGIONS) if args.instructions else ""))
@@ -220,7 +227,7 @@ def main_steps(args: argparse.Namespace) -> None:
               + ("".join(f"{r['instructions'] / 1e6:>18.1f}" for r in rows) if args.instructions else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPE, "regions": REGIONS, "machine": runlog.machine(), "threads": 1,
+            json.dump({"shape": STEP_SHAPE, "regions": REGIONS, "machine": runlog.machine(), "threads": 1,
                        "repeats": args.repeats, "commit": _commit(), "results": results}, f, indent=2)
 
 
@@ -238,7 +245,7 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true", help="with --step: callgrind's instruction counts")
     parser.add_argument("--counted", nargs=2, metavar=("METHOD", "REGIONS"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
-    parser.add_argument("--shape", type=json.loads, default=SHAPE, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", type=json.loads, default=STEP_SHAPE, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.counted:
         return _counted(*args.counted, args.steps, args.shape)

@@ -135,6 +135,9 @@ def worker(out_dir: str) -> None:
     run("fsdp_delta_block_kernel", "delta_block", parallel="fsdp", kernel="triton")
     run("ddp_delta", "delta")
     run("fsdp_delta", "delta", parallel="fsdp")
+    # a fused AdamW: the NaN guard on the device, the figures read every second step
+    for parallel in ("ddp", "fsdp"):
+        run(f"{parallel}_fused", "delta_block", parallel=parallel, adamw="fused", log_interval=2)
     # one precision rule: DDP with autocast and FSDP2 with bf16 matrices compute in the same dtypes
     run("ddp_bf16", "delta_block", **PRECISE)
     run("fsdp_bf16", "delta_block", parallel="fsdp", **PRECISE)
@@ -170,9 +173,11 @@ def worker(out_dir: str) -> None:
         fake = iter(range(0, 10 ** 6, 10))
         train.time = type("FastClock", (), {"time": staticmethod(lambda: float(next(fake)))})
     run("budget", "baseline", max_steps=50, time_budget_s=30.0)
-    steps = [None, None]
-    dist.all_gather_object(steps, results["budget"]["step"])
-    results["budget_steps"] = steps
+    run("budget_fused", "baseline", max_steps=50, time_budget_s=30.0, adamw="fused", log_interval=4)
+    for name in ("budget", "budget_fused"):
+        steps = [None, None]
+        dist.all_gather_object(steps, results[name]["step"])
+        results[f"{name}_steps"] = steps
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
@@ -227,6 +232,7 @@ def single(tmp_path_factory):
             results[residual]["windows"] = spy.ids
     results["bf16_params"] = train.train(*configs("delta_block", out / "bf16_params", micro_batch_size=8,
                                                   precision="bf16-params"))
+    results["fused"] = train.train(*configs("delta_block", out / "fused", micro_batch_size=8, adamw="fused"))
     return results
 
 
@@ -265,6 +271,17 @@ def test_ddp_matches_one_process(two_ranks, single, residual):
 def test_fsdp_matches_ddp(two_ranks, run, reference):
     results, _ = two_ranks
     assert results[run]["losses"] == pytest.approx(results[reference]["losses"], abs=1e-4, rel=0)
+
+
+def test_a_fused_adamw_trains_alike_in_one_process_ddp_and_fsdp(two_ranks, single):
+    """adamw="fused" (the CUDA default; its NaN guard decided on the device, the loop reading every second step)
+    trains under DDP and FSDP2 as in one process, and as torch's per-tensor AdamW up to its rounding."""
+    results, _ = two_ranks
+    ddp, fsdp = results["ddp_fused"]["losses"], results["fsdp_fused"]["losses"]
+    assert len(ddp) == MAX_STEPS and ddp == pytest.approx(single["fused"]["losses"], abs=1e-5, rel=0)
+    assert fsdp == pytest.approx(ddp, abs=1e-4, rel=0)
+    assert ddp == pytest.approx(results["ddp_delta_block"]["losses"], abs=1e-4, rel=0)
+    assert ddp[-1] < ddp[0] - 0.05
 
 
 def test_one_precision_rule_for_ddp_and_fsdp(two_ranks):
@@ -366,9 +383,12 @@ def test_consolidated_checkpoint_has_the_single_file_format(two_ranks, single, t
 
 
 def test_time_budget_stops_every_rank_at_the_same_step(two_ranks):
+    """Also with the guard on the device, where the flags are read every fourth step: at such a step."""
     results, _ = two_ranks
     step0, step1 = results["budget_steps"]
     assert step0 == step1 < 50
+    step0, step1 = results["budget_fused_steps"]
+    assert step0 == step1 < 50 and step0 % 4 == 0
 
 
 def test_compiled_sublayers_share_graphs_across_layers():

@@ -150,8 +150,9 @@ def test_the_whole_step_meter_takes_train_pys_step_per_compiled_region():
     """meters.host --step: the optimizer step as train.py takes it, for each compiled region: the kernel path's
     launches are skipped (eager, sublayers), the whole forward compiled on the reference path launches none,
     and the step really trains (the optimizer moves the weights)."""
-    shape = dict(host.SHAPE, n_layers=2, n_blocks=2)
+    shape = dict(host.STEP_SHAPE, n_layers=2, n_blocks=2)
     stepper = host.TrainStep("delta_block", "model", shape, backend="aot_eager")
+    assert stepper.optimizer.defaults["fused"] and stepper.run.guard_on_device      # as on a GPU
     before = [p.detach().clone() for p in stepper.model.parameters()]
     assert stepper.step() > 0 and stepper.launches == 0
     assert any(not torch.equal(a, p) for a, p in zip(before, stepper.model.parameters()))

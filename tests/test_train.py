@@ -347,6 +347,35 @@ def test_a_lone_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 1, 1]
 
 
+def test_the_guard_on_the_device_reads_only_where_it_logs_and_skips_the_same(tmp_path, monkeypatch):
+    """A fused AdamW skips a non-finite step on the device (found_inf): the loop reads the device only at steps
+    that log, save or end; the skipped step is counted there, and the weights, AdamW's moments and its step
+    counts are those of a run that reads at every step."""
+    reads = []
+    read = train._read_figures
+    monkeypatch.setattr(train, "_read_figures", lambda run, *a: reads.append(run.step) or read(run, *a))
+    poison(monkeypatch, {3}, lambda loss: loss * float("nan"))
+    result = run(tmp_path / "every", "--max_steps=6", "--adamw=fused")
+    poison(monkeypatch, {3}, lambda loss: loss * float("nan"))
+    reads.clear()
+    deferred = run(tmp_path / "deferred", "--max_steps=6", "--adamw=fused", "--log_interval=4")
+    assert reads == [4, 6] and deferred["skipped_steps"] == result["skipped_steps"] == 1
+    assert math.isnan(deferred["losses"][2]) and deferred["losses"][3:] == result["losses"][3:]
+    a, b = (checkpoint.load_checkpoint(checkpoint.checkpoint_paths(tmp_path / d)[-1]) for d in ("every", "deferred"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert {int(s["step"]) for s in b["optimizer"]["state"].values()} == {5}     # 6 steps, one skipped
+
+
+def test_the_guard_on_the_device_stops_at_the_read_after_max_bad_steps(tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(3, 100)), NaNGradient.apply)
+    with pytest.raises(FloatingPointError, match=r"3 steps in a row, up to step 5, had a non-finite loss"):
+        run(tmp_path, "--max_steps=10", "--adamw=fused", "--log_interval=8")
+    skipped = [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl") if '"skipped"' in line]
+    assert skipped == [3, 4, 5]
+
+
 @pytest.mark.parametrize("arg, allowed", [
     ("batch_size=0", "integers >= 1"), ("d_model=0", "integers >= 1"), ("n_heads=0", "integers >= 1"),
     ("max_steps=-1", "integers >= 0"), ("ckpt_interval=-1", r"0 \(off\) or integers >= 1"),
