@@ -321,10 +321,11 @@ def _read_figures(run: Run, cfg: TrainConfig, ctx: distributed.Context, log: run
     run.out_of_time, run.signalled, run.save_now = (v > 0 for v in values[:3])
     for step, loss, norm in zip(range(run.step - len(run.pending) + 1, run.step + 1), values[3::2], values[4::2]):
         run.losses.append(loss)
-        finite = math.isfinite(loss) and math.isfinite(norm)
-        run.bad_in_a_row, run.skipped = (0, run.skipped) if finite else (run.bad_in_a_row + 1, run.skipped + 1)
-        if finite:
+        if math.isfinite(loss) and math.isfinite(norm):
+            run.bad_in_a_row = 0
             continue
+        run.bad_in_a_row += 1                   # skipped: the weights stay those of the last finite step
+        run.skipped += 1
         log({"step": step, "skipped": True, "loss": loss, "grad_norm": norm},
             f"step {step:5d} | skipped: loss {loss:.4f}, grad norm {norm:.3f} "
             f"({run.bad_in_a_row} in a row, {run.skipped} in all)")

@@ -40,6 +40,7 @@ import tempfile
 import time
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 
 from depth_kernels.observers import skipped_launches
@@ -189,10 +190,12 @@ def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_S
         raise RuntimeError("--instructions needs valgrind's callgrind (valgrind, callgrind_control) on the PATH")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
+        # valgrind runs no AVX-512: inductor's C++ is built for AVX2 (x86-64-v3), in a cache of its own
+        env = {**os.environ, "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3", "TORCHINDUCTOR_CACHE_DIR": tmp}
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
                         sys.executable, "-m", "meters.host", "--counted", method, regions,
                         "--steps", str(steps), "--shape", json.dumps(shape)],
-                       check=True, capture_output=True, text=True)
+                       check=True, capture_output=True, text=True, env=env)
         with open(out) as f:
             total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
     return total // steps
@@ -201,6 +204,7 @@ def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_S
 def _counted(method: str, regions: str, steps: int, shape: dict) -> None:
     """The child of instructions(): warm up, then `steps` steps with callgrind's instrumentation on."""
     torch.set_num_threads(1)
+    torch._inductor.config.cpp.simdlen = 256                          # AVX2's vectors, as the march above
     stepper = TrainStep(method, regions, shape)
     stepper.step(), stepper.step()
     control = ["callgrind_control", "-i"]
