@@ -393,7 +393,7 @@ def test_the_guard_on_the_device_stops_at_the_read_after_max_bad_steps(tmp_path,
 ])
 def test_nonsense_config_values_name_key_value_and_allowed_values(arg, allowed):
     key, value = arg.split("=")
-    strings = ("device", "out_dir", "weight_decay_on", "precision", "out_init")
+    strings = ("device", "out_dir", "weight_decay_on", "precision", "out_init", "adamw")
     shown = repr(value if key in strings else ast.literal_eval(value))  # as the config holds it
     with pytest.raises(ValueError, match=f"^{key}={re.escape(shown)}: allowed values are {allowed}"):
         load_config(["configs/tiny_delta_block.py", f"--{arg}"])
