@@ -142,7 +142,7 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
     resume_path, resume = checkpoint.resume_point(model_cfg, cfg, ctx)
     train_loader, val_loader = corpus.open_loaders(model_cfg, cfg, ctx, micro, resume)
     raw, model, optimizer = _build(model_cfg, cfg, ctx, model, groups)
-    run = Run(gpu_busy=runlog.GpuBusy(device), guard_on_device=bool(optimizer.defaults.get("fused")))
+    run = Run.starting(device, optimizer)
     if resume is not None:
         checkpoint.restore(model, optimizer, resume_path)
         train_loader.load_state_dict(resume["loader"])
@@ -197,8 +197,7 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
 
 @dataclass
 class Run:
-    """Where the loop stands: the step, what was saved, the non-finite steps, the clocks, and the last step's
-    flags (the same on every rank)."""
+    """Where the loop stands: the step, saves, non-finite steps, clocks and the last read's flags (every rank's)."""
     step: int = 0
     saved_at: int | None = None             # the step of the newest checkpoint written or resumed
     last_saved: str | None = None           # its path (every value in it finite)
@@ -216,6 +215,11 @@ class Run:
     guard_on_device: bool = False           # the NaN guard decided on the device (a fused AdamW's found_inf)
     pending: list[torch.Tensor] = field(default_factory=list)   # the (2,) figures of the steps not yet read
     lr: float = 0.0                         # the last step's
+
+    @classmethod
+    def starting(cls, device: torch.device, optimizer: torch.optim.Optimizer) -> Run:
+        """A run at step 0 with this optimizer: a fused AdamW has the guard on the device."""
+        return cls(gpu_busy=runlog.GpuBusy(device), guard_on_device=bool(optimizer.defaults.get("fused")))
 
     def read_due(self, cfg: TrainConfig) -> bool:
         """Every step where the guard needs the host, else steps that log, evaluate, save by interval or end the
@@ -297,8 +301,7 @@ def _optimizer_step(run: Run, cfg: TrainConfig, ctx: distributed.Context, model:
     finite = torch.isfinite(figures).all()
     if run.guard_on_device:
         optimizer.found_inf, optimizer.grad_scale = (~finite).float(), None
-        optimizer.step()
-    elif finite.item():
+    if run.guard_on_device or finite.item():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     run.gpu_busy.stop()

@@ -148,7 +148,7 @@ class TrainStep:
         import train                       # the training script's own pieces, as its loop calls them
         self.train = train
         _, self.model, self.optimizer = train._build(model_cfg, self.cfg, self.ctx, None, None)
-        self.run = train.Run(gpu_busy=runlog.GpuBusy(self.ctx.device), guard_on_device=True)
+        self.run = train.Run.starting(self.ctx.device, self.optimizer)
         self.batches = Batches(model_cfg.vocab_size, tokens)
         self.stop = distributed.StopRequest(announce=False)       # never entered: no signal handlers
         self.launches = 0
