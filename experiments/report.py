@@ -348,7 +348,8 @@ def compare(new: dict, old: dict, within: float = 2.0) -> list[dict]:
 
     The noise of a difference of two means of n_new and n_old seeds is sigma = s * sqrt(1/n_new + 1/n_old), with s
     the seed-to-seed std of that method in Table 1 (pooled over the two sweeps): one-seed rows have no std of
-    their own. A row reproduces when |new - old| <= within * sigma. Rows only one sweep has are left out."""
+    their own. A row reproduces when |new - old| <= within * sigma. Rows only one sweep has are left out; sections
+    match by name, whatever their seed counts ("Equal wall-clock, seed 0" and "Equal wall-clock, 3 seeds")."""
     def seed_std(results: dict) -> dict[str, float]:     # residual -> std of its first multi-seed row
         out = {}
         for section in results["sections"]:
@@ -357,11 +358,12 @@ def compare(new: dict, old: dict, within: float = 2.0) -> list[dict]:
                     out.setdefault(r["residual"], r["val_ppl_std"])
         return out
     old_std, new_std = seed_std(old), seed_std(new)
-    old_rows = {(s["title"], r["label"]): r for s in old["sections"] for r in s["rows"]}
+    key = lambda title: title.split(":")[0].split(",")[0]   # a section's name without its seed count
+    old_rows = {(key(s["title"]), r["label"]): r for s in old["sections"] for r in s["rows"]}
     rows = []
     for section in new["sections"]:
         for r in section["rows"]:
-            o = old_rows.get((section["title"], r["label"]))
+            o = old_rows.get((key(section["title"]), r["label"]))
             if o is None or r["residual"] not in old_std or r["residual"] not in new_std:
                 continue
             s = math.sqrt((old_std[r["residual"]] ** 2 + new_std[r["residual"]] ** 2) / 2)

@@ -52,11 +52,12 @@ def pace(run: Run, out: str, budget_s: float) -> dict:
 
 
 def wall_budget(runs: list[Run], out: str, budget_s: float | None) -> float:
-    """The equal wall-clock budget: given, or the mean wall time of the baseline's equal-steps runs."""
+    """The equal wall-clock budget: given, or the mean wall time of the equal-steps runs that pace the baseline's
+    equal wall-clock runs (Table 1's baseline; another section's baseline runs do not move it)."""
     if budget_s:
         return budget_s
-    finals = [final_record(os.path.join(out, "runs", r.name)) for r in runs
-              if not r.pace_from and r.overrides.get("residual") == "baseline"]
+    names = sorted({n for r in runs if r.pace_from and r.overrides.get("residual") == "baseline" for n in r.pace_from})
+    finals = [final_record(os.path.join(out, "runs", n)) for n in names]
     if not finals or None in finals:
         raise RuntimeError("the baseline's equal-steps runs, which set the budget, have not all finished")
     return float(np.mean([f["wall_s"] for f in finals]))

@@ -97,7 +97,8 @@ def test_sweep_trains_skips_redoes_and_reports(tmp_path, capsys):
 def test_equal_wall_clock_pace(tmp_path):
     """The budget is the baseline's mean equal-steps wall time; each method's schedule is the steps it made in it."""
     out = str(tmp_path)
-    walls = {"t1_baseline_s0": (600, 100.0), "t1_baseline_s1": (600, 120.0), "t1_delta_s0": (600, 330.0)}
+    walls = {"t1_baseline_s0": (600, 100.0), "t1_baseline_s1": (600, 120.0), "t1_delta_s0": (600, 330.0),
+             "precision_baseline_s0": (600, 40.0)}      # a baseline of another section: not the budget's
     for name, (step, wall) in walls.items():
         os.makedirs(os.path.join(out, "runs", name))
         with open(log_path(out, name), "w") as f:
@@ -105,18 +106,20 @@ def test_equal_wall_clock_pace(tmp_path):
     runs = [Run("t1_baseline_s0", {"residual": "baseline", "seed": 0}),
             Run("t1_baseline_s1", {"residual": "baseline", "seed": 1}),
             Run("t1_delta_s0", {"residual": "delta", "seed": 0}),
+            Run("precision_baseline_s0", {"residual": "baseline", "seed": 0}),
             Run("wall_baseline_s0", {"residual": "baseline", "seed": 0},
                 pace_from=("t1_baseline_s0", "t1_baseline_s1")),
             Run("wall_delta_s0", {"residual": "delta", "seed": 0}, pace_from=("t1_delta_s0",))]
     budget = runner.wall_budget(runs, out, None)
     assert budget == 110.0
-    assert runner.pace(runs[4], out, budget) == {"max_steps": 200, "time_budget_s": 110.0, "eval_interval": 25}
-    assert runner.pace(runs[3], out, budget)["max_steps"] == int((6 + 5) / 2 * 110)   # 6 and 5 steps/s
+    assert runner.pace(runs[5], out, budget) == {"max_steps": 200, "time_budget_s": 110.0, "eval_interval": 25}
+    assert runner.pace(runs[4], out, budget)["max_steps"] == int((6 + 5) / 2 * 110)   # 6 and 5 steps/s
     assert runner.wall_budget(runs, out, 50.0) == 50.0
     with pytest.raises(RuntimeError, match="t1_delta_s1 have not finished"):
         runner.pace(Run("wall_delta_s1", {"residual": "delta"}, pace_from=("t1_delta_s0", "t1_delta_s1")), out, budget)
+    unfinished = Run("wall_baseline_s2", {"residual": "baseline", "seed": 2}, pace_from=("t1_baseline_s2",))
     with pytest.raises(RuntimeError, match="have not all finished"):
-        runner.wall_budget(runs + [Run("t1_baseline_s2", {"residual": "baseline", "seed": 2})], out, None)
+        runner.wall_budget(runs + [unfinished], out, None)
 
 
 def results_with(rows_by_section: dict[str, list[tuple[str, str, list[float]]]]) -> dict:
@@ -153,6 +156,15 @@ def test_compare_judges_each_row_against_seed_noise():
     new["sections"][0]["rows"][1]["steps"] = 900.0      # an equal wall-clock row that made more steps this time
     text = report.compare_markdown(report.compare(new, old), new, old, "old.json")
     assert "different step count: delta (T1: 800 -> 900 steps)" in text
+
+
+def test_compare_matches_sections_whatever_their_seed_counts():
+    old = results_with({"Wall, seed 0": [("delta", "delta", [7.0])], "T1: 3 seeds": [("delta", "delta", [7.0, 7.2])]})
+    new = results_with({"Wall, 3 seeds": [("delta", "delta", [7.0, 7.1, 7.2])], "T2: 3 seeds": [("delta", "delta", [7.1])]})
+    rows = report.compare(new, old)
+    assert [(r["section"], r["new_val_ppl"]) for r in rows] == [("Wall, 3 seeds", pytest.approx(7.1))]
+    # the method's std: 0.1414 old (T1), 0.1 new (Wall); pooled 0.1225, over 3 seeds new and 1 old
+    assert rows[0]["sigma"] == pytest.approx(0.015 ** 0.5 * (1 / 3 + 1) ** 0.5)
 
 
 def test_compare_file_must_exist(tmp_path, capsys):
@@ -217,22 +229,32 @@ def test_depth_plot_reads_every_depth_section(tmp_path):
 
 
 def test_each_recipe_row_changes_one_choice_of_delta_block():
-    """The recipe rows are Table 1's delta_block runs with exactly one config field set the authors' way."""
+    """The recipe rows are Table 1's delta_block runs with exactly one config field set the authors' way; the
+    precision section's references are Table 1's baseline and delta_block under their own names."""
     from dataclasses import asdict
     full = plans.full_plan()
-    recipe = next(s for s in full.sections if s.title.startswith("Recipe"))
     runs = {r.name: r for r in full.runs}
+
+    def diff(ref: str, name: str) -> set:
+        a, b = runs[ref], runs[name]
+        return {k for x, y in zip((plans.model_config(a), plans.train_config(a)),
+                                  (plans.model_config(b), plans.train_config(b)))
+                for k, v in asdict(y).items() if asdict(x)[k] != v and k != "out_dir"}
+
+    recipe = next(s for s in full.sections if s.title.startswith("Recipe"))
+    precision = next(s for s in full.sections if s.title.startswith("Precision"))
     changed = []
-    for label, row in recipe.rows[2:]:
-        for name in row:
-            seed = int(name.rsplit("_s", 1)[1])
-            ref, run = runs[f"t1_delta_block_s{seed}"], runs[name]
-            diff = {k for a, b in zip((plans.model_config(ref), plans.train_config(ref)),
-                                      (plans.model_config(run), plans.train_config(run)))
-                    for k, v in asdict(b).items() if asdict(a)[k] != v and k != "out_dir"}
-            assert len(diff) == 1, (name, diff)
-            changed.append(diff.pop())
+    for section, first in ((recipe, 2), (precision, 2)):
+        for label, row in section.rows[first:]:
+            for name in row:
+                seed = int(name.rsplit("_s", 1)[1])
+                ref = "t1_delta_block" if section is recipe else "precision_delta_block"
+                one = diff(f"{ref}_s{seed}", name)
+                assert len(one) == 1, (name, one)
+                changed.append(one.pop())
     assert sorted(set(changed)) == ["out_init", "precision", "weight_decay_on"]
+    for (label, row), twin in zip(precision.rows[:2], ("t1_baseline", "t1_delta_block")):
+        assert [diff(f"{twin}_s{n.rsplit('_s', 1)[1]}", n) for n in row] == [set()] * 3, label
 
 
 def test_factorial_effects_of_the_grid():
