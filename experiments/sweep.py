@@ -1,6 +1,6 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python -m experiments.sweep                      # every run into runs/sweep (64 runs, @CH@ core-hours), then
+    python -m experiments.sweep                      # every run into runs/sweep (67 runs, about 6 core-hours), then
                                                      # its table compared with the committed results/sweep
                                                      # (runs/sweep/compare.md)
     python -m experiments.sweep --out results/sweep  # the same into the committed folder (what was published)
