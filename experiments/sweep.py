@@ -1,6 +1,6 @@
 """The paper's comparisons in miniature, with seed error bars and at equal wall-clock, on a 2-core CPU.
 
-    python -m experiments.sweep                      # every run into runs/sweep (67 runs, about 6 core-hours), then
+    python -m experiments.sweep                      # every run into runs/sweep (79 runs, about 6.5 core-hours), then
                                                      # its table compared with the committed results/sweep
                                                      # (runs/sweep/compare.md)
     python -m experiments.sweep --out results/sweep  # the same into the committed folder (what was published)
@@ -12,12 +12,12 @@ One model (configs/sweep_l12.py: 12 layers, d = 64, byte-level Shakespeare) and 
             equal steps, 3 seeds each (seed s gives every method the same backbone init and data order);
   Table 4   delta_block with 1, 2, 4, 6, 12 blocks and delta (the fine-grained end), seed 0;
   wall      baseline, delta, delta_block with the same time_budget_s (the baseline's equal-steps wall time),
-            3 seeds; each method's cosine schedule is as long as the steps its Table 1 run made in that time;
+            5 seeds; each method's cosine schedule is as long as the steps its Table 1 run made in that time;
   init      delta_block's query init (zero or N(0, 0.02)) with and without gate=True, 3 seeds;
   grid      sources (deltas or states) x use (replacement or additive) x granularity, 3 seeds, with the
             factorial effects (report.factorial);
   recipe    delta_block with each of two of the authors' recipe choices (init scale, decay), 3 seeds;
-  precision delta_block with the whole model in bf16 against fp32, with its own baseline, 3 seeds.
+  precision delta_block with the whole model in bf16 against fp32, with its own baseline, 5 seeds.
 --depth trains another plan: the paper's depth claim (AttnRes falls behind the baseline at 36 layers, additive
 routing does not) on configs/sweep_depth.py (d = 32): baseline, attnres, delta_block and delta at 36 and at 12
 layers, equal steps, 8 seeds each, and the grid's block points (boundary states) at 36; its plots add depth.png
