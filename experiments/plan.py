@@ -138,12 +138,17 @@ class Plan:
         return os.path.join("results", self.name, "results.json")
 
 
+def _seeded(runs: list[Run], label: str, name: str, overrides: dict, cost: float, seeds: tuple[int, ...] = SEEDS,
+            pace_from: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+    """A table row of one run per seed (NAME_s<seed>), its runs added to `runs`: (label, run names)."""
+    names = [f"{name}_s{s}" for s in seeds]
+    runs += [Run(n, {**overrides, "seed": s}, cost, pace_from) for n, s in zip(names, seeds)]
+    return label, names
+
+
 def full_plan() -> Plan:
-    runs, t1 = [], []
-    for label, (slug, overrides, cost) in METHODS.items():
-        names = [f"t1_{slug}_s{s}" for s in SEEDS]
-        runs += [Run(n, {**overrides, "seed": s}, cost) for n, s in zip(names, SEEDS)]
-        t1.append((label, names))
+    runs = []
+    t1 = [_seeded(runs, label, f"t1_{slug}", overrides, cost) for label, (slug, overrides, cost) in METHODS.items()]
     t4 = [("baseline", ["t1_baseline_s0"])]
     for k in (1, 2, 4, 6, 12):
         name = "t1_delta_block_s0" if k == 4 else f"t4_delta_block_k{k}"
@@ -151,37 +156,23 @@ def full_plan() -> Plan:
             runs.append(Run(name, {"residual": "delta_block", "n_blocks": k, "seed": 0}, 1.2 + 0.05 * k))
         t4.append((f"delta_block, {k} blocks", [name]))
     t4.append(("delta (fine-grained)", ["t1_delta_s0"]))
-    wall = []
-    for label in ("baseline", "delta", "delta_block"):
-        slug, overrides, _ = METHODS[label]
-        names = [f"wall_{slug}_s{s}" for s in WIDE_SEEDS]
-        runs += [Run(n, {**overrides, "seed": s}, 1.0, pace_from=tuple(f"t1_{slug}_s{q}" for q in SEEDS))
-                 for n, s in zip(names, WIDE_SEEDS)]
-        wall.append((label, names))
+    wall = [_seeded(runs, label, f"wall_{METHODS[label][0]}", METHODS[label][1], 1.0, WIDE_SEEDS,
+                    pace_from=tuple(f"t1_{METHODS[label][0]}_s{q}" for q in SEEDS))
+            for label in ("baseline", "delta", "delta_block")]
     init = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS]),
             ("delta_block, no gate, zero queries (the paper's init)", [f"t1_delta_block_s{s}" for s in SEEDS])]
-    for label, slug, overrides in INITS:
-        names = [f"{slug}_s{s}" for s in SEEDS]
-        runs += [Run(n, {"residual": "delta_block", **overrides, "seed": s}, 1.35) for n, s in zip(names, SEEDS)]
-        init.append((label, names))
+    init += [_seeded(runs, label, slug, {"residual": "delta_block", **overrides}, 1.35)
+             for label, slug, overrides in INITS]
     grid = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS])]
     for label, (slug, overrides) in GRID.items():
-        existing = any(m[0] == slug for m in METHODS.values())
-        names = [f"{'t1' if existing else 'grid'}_{slug}_s{s}" for s in SEEDS]
-        if not existing:
-            runs += [Run(n, {**overrides, "seed": s}, METHODS[overrides["residual"]][2]) for n, s in zip(names, SEEDS)]
-        grid.append((label, names))
-    recipe = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS]),
-              ("delta_block (this repository's recipe)", [f"t1_delta_block_s{s}" for s in SEEDS])]
-    for label, slug, overrides, seeds, cost in RECIPES:
-        names = [f"{slug}_s{s}" for s in seeds]
-        runs += [Run(n, {"residual": "delta_block", **overrides, "seed": s}, cost) for n, s in zip(names, seeds)]
-        recipe.append((label, names))
-    precision = []
-    for label, slug, overrides, cost in PRECISION:
-        names = [f"{slug}_s{s}" for s in WIDE_SEEDS]
-        runs += [Run(n, {**overrides, "seed": s}, cost) for n, s in zip(names, WIDE_SEEDS)]
-        precision.append((label, names))
+        if any(m[0] == slug for m in METHODS.values()):
+            grid.append((label, [f"t1_{slug}_s{s}" for s in SEEDS]))
+        else:
+            grid.append(_seeded(runs, label, f"grid_{slug}", overrides, METHODS[overrides["residual"]][2]))
+    recipe = [init[0], ("delta_block (this repository's recipe)", init[1][1])]
+    recipe += [_seeded(runs, label, slug, {"residual": "delta_block", **overrides}, cost, seeds)
+               for label, slug, overrides, seeds, cost in RECIPES]
+    precision = [_seeded(runs, label, slug, overrides, cost, WIDE_SEEDS) for label, slug, overrides, cost in PRECISION]
     sections = [
         Section("Table 1 in miniature: equal steps, 3 seeds", "Mean ± std over seeds 0, 1, 2; the change vs "
                 "the baseline is paired by seed (same init and data order).", t1, ("curves",)),

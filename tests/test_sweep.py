@@ -160,7 +160,8 @@ def test_compare_judges_each_row_against_seed_noise():
 
 def test_compare_matches_sections_whatever_their_seed_counts():
     old = results_with({"Wall, seed 0": [("delta", "delta", [7.0])], "T1: 3 seeds": [("delta", "delta", [7.0, 7.2])]})
-    new = results_with({"Wall, 3 seeds": [("delta", "delta", [7.0, 7.1, 7.2])], "T2: 3 seeds": [("delta", "delta", [7.1])]})
+    new = results_with({"Wall, 3 seeds": [("delta", "delta", [7.0, 7.1, 7.2])],
+                        "T2: 3 seeds": [("delta", "delta", [7.1])]})
     rows = report.compare(new, old)
     assert [(r["section"], r["new_val_ppl"]) for r in rows] == [("Wall, 3 seeds", pytest.approx(7.1))]
     # the method's std: 0.1414 old (T1), 0.1 new (Wall); pooled 0.1225, over 3 seeds new and 1 old
