@@ -53,8 +53,9 @@ RECIPES = [
 ]
 
 # The third recipe choice, the whole model in bf16, is its own section with its own baseline and fp32 delta_block
-# runs (the same configs as Table 1's), so that it pairs within whichever machine trains it: bf16 arithmetic is
-# the one whose speed and rounding vary most between CPUs. (label, run-name slug, overrides, relative time)
+# runs (the same configs as Table 1's), so that it pairs within whichever machine trains it: bf16's speed varies
+# most between CPUs (1.5x to 4.5x the fp32 run's time on the ones measured), so its runs may train apart from the
+# rest. (label, run-name slug, overrides, time per step relative to the baseline)
 PRECISION = [
     ("baseline", "precision_baseline", {"residual": "baseline"}, 1.0),
     ("delta_block, fp32 parameters (this repository's recipe)", "precision_delta_block", {"residual": "delta_block"},
