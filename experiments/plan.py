@@ -140,11 +140,16 @@ class Plan:
 
 
 def _seeded(runs: list[Run], label: str, name: str, overrides: dict, cost: float, seeds: tuple[int, ...] = SEEDS,
-            pace_from: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+            pace_from: tuple[str, ...] = (), config: str = CONFIG) -> tuple[str, list[str]]:
     """A table row of one run per seed (NAME_s<seed>), its runs added to `runs`: (label, run names)."""
     names = [f"{name}_s{s}" for s in seeds]
-    runs += [Run(n, {**overrides, "seed": s}, cost, pace_from) for n, s in zip(names, seeds)]
+    runs += [Run(n, {**overrides, "seed": s}, cost, pace_from, config) for n, s in zip(names, seeds)]
     return label, names
+
+
+def _t1(slug: str) -> list[str]:
+    """The names of Table 1's runs of one method, which other sections' rows reuse."""
+    return [f"t1_{slug}_s{s}" for s in SEEDS]
 
 
 def full_plan() -> Plan:
@@ -158,19 +163,19 @@ def full_plan() -> Plan:
         t4.append((f"delta_block, {k} blocks", [name]))
     t4.append(("delta (fine-grained)", ["t1_delta_s0"]))
     wall = [_seeded(runs, label, f"wall_{METHODS[label][0]}", METHODS[label][1], 1.0, WIDE_SEEDS,
-                    pace_from=tuple(f"t1_{METHODS[label][0]}_s{q}" for q in SEEDS))
+                    pace_from=tuple(_t1(METHODS[label][0])))
             for label in ("baseline", "delta", "delta_block")]
-    init = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS]),
-            ("delta_block, no gate, zero queries (the paper's init)", [f"t1_delta_block_s{s}" for s in SEEDS])]
+    init = [("baseline", _t1("baseline")),
+            ("delta_block, no gate, zero queries (the paper's init)", _t1("delta_block"))]
     init += [_seeded(runs, label, slug, {"residual": "delta_block", **overrides}, 1.35)
              for label, slug, overrides in INITS]
-    grid = [("baseline", [f"t1_baseline_s{s}" for s in SEEDS])]
+    grid = [("baseline", _t1("baseline"))]
     for label, (slug, overrides) in GRID.items():
         if any(m[0] == slug for m in METHODS.values()):
-            grid.append((label, [f"t1_{slug}_s{s}" for s in SEEDS]))
+            grid.append((label, _t1(slug)))
         else:
             grid.append(_seeded(runs, label, f"grid_{slug}", overrides, METHODS[overrides["residual"]][2]))
-    recipe = [init[0], ("delta_block (this repository's recipe)", init[1][1])]
+    recipe = [("baseline", _t1("baseline")), ("delta_block (this repository's recipe)", _t1("delta_block"))]
     recipe += [_seeded(runs, label, slug, {"residual": "delta_block", **overrides}, cost, seeds)
                for label, slug, overrides, seeds, cost in RECIPES]
     precision = [_seeded(runs, label, slug, overrides, cost, WIDE_SEEDS) for label, slug, overrides, cost in PRECISION]
@@ -210,11 +215,8 @@ def depth_plan() -> Plan:
         rows = []
         for label in DEPTH_METHODS:
             slug, overrides, _ = METHODS[label]
-            names = [f"l{n_layers}_{slug}_s{s}" for s in DEPTH_SEEDS]
-            cost = DEPTH_COSTS[(n_layers, label)]
-            runs += [Run(n, {**overrides, "n_layers": n_layers, "seed": s}, cost, config=DEPTH_CONFIG)
-                     for n, s in zip(names, DEPTH_SEEDS)]
-            rows.append((label, names))
+            rows.append(_seeded(runs, label, f"l{n_layers}_{slug}", {**overrides, "n_layers": n_layers},
+                                DEPTH_COSTS[(n_layers, label)], DEPTH_SEEDS, config=DEPTH_CONFIG))
         plots = ("curves", "depth") if n_layers == DEPTHS[0] else ("depth",)
         sections.append(Section(f"{n_layers} layers: equal steps, {len(DEPTH_SEEDS)} seeds",
                                 f"Mean ± std over seeds {DEPTH_SEEDS[0]}-{DEPTH_SEEDS[-1]}; the change vs the "
@@ -223,13 +225,13 @@ def depth_plan() -> Plan:
     n_layers, rows = DEPTHS[0], [("baseline", [f"l{DEPTHS[0]}_baseline_s{s}" for s in DEPTH_SEEDS])]
     for label in ("attnres", "delta_block"):
         for sources in ("deltas", "states"):
-            slug = METHODS[label][0] + ("_states" if sources == "states" else "")
-            names = [f"l{n_layers}_{slug}_s{s}" for s in DEPTH_SEEDS]
-            if sources == "states":
-                runs += [Run(n, {"residual": label, "sources": sources, "n_layers": n_layers, "seed": s},
-                             DEPTH_COSTS[(n_layers, label)], config=DEPTH_CONFIG)
-                     for n, s in zip(names, DEPTH_SEEDS)]
-            rows.append((f"{label}, {sources}", names))
+            row, slug = f"{label}, {sources}", METHODS[label][0]
+            if sources == "deltas":         # the equal-steps section's runs
+                rows.append((row, [f"l{n_layers}_{slug}_s{s}" for s in DEPTH_SEEDS]))
+            else:
+                rows.append(_seeded(runs, row, f"l{n_layers}_{slug}_states",
+                                    {"residual": label, "sources": sources, "n_layers": n_layers},
+                                    DEPTH_COSTS[(n_layers, label)], DEPTH_SEEDS, config=DEPTH_CONFIG))
     sections.append(Section(f"{n_layers} layers: the grid's block points, equal steps, {len(DEPTH_SEEDS)} seeds",
                             "Block sums (= boundary deltas) or boundary states, replacement (attnres) or additive "
                             "(delta_block).",
