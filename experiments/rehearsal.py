@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from infra import checkpoint  # noqa: E402
 from infra import corpus  # noqa: E402
+from infra import distributed  # noqa: E402
 import train  # noqa: E402
 from infra.config import TrainConfig  # noqa: E402
 from depth_kernels.observers import observe_launches  # noqa: E402
@@ -168,7 +169,7 @@ def worker(world: str, names: list[str], steps: int, out: str) -> None:
     if rank == 0:
         with open(os.path.join(out, f"{world}.json"), "w") as f:
             json.dump(results, f)
-    torch.distributed.destroy_process_group()
+    distributed.end_worker()
 
 
 def run_ranks(world: str, names: list[str], steps: int, out: str, timeout: float = 3600) -> list[dict]:

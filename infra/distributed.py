@@ -130,6 +130,18 @@ def teardown(ctx: Context) -> None:
         dist.destroy_process_group()
 
 
+def end_worker() -> None:
+    """The end of a worker process that a harness started under torchrun (a test's, the rehearsal's), once its
+    results are written: every rank leaves the group together, then the process exits without the interpreter's
+    teardown. There, gloo's worker threads may still hold work whose destruction needs the interpreter, and a rank
+    then aborts (SIGABRT, "terminate called without an active exception") after all its work has passed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def barrier(ctx: Context) -> None:
     if ctx.world_size > 1:
         dist.barrier()

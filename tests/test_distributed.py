@@ -181,7 +181,7 @@ def worker(out_dir: str) -> None:
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    distributed.end_worker()
 
 
 def hang_rank_1() -> None:
