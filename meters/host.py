@@ -21,23 +21,30 @@ tokens, about 65 ms of H100 work, so 6.5 ms.
 
 `--step` measures what train.py's loop does per step (train.forward_backward, clipping, the optimizer, the loss
 and norm read back), built as train.py builds it (train._build), for each method under each choice of compiled
-regions (REGIONS: eager, compiled sublayers, the whole forward compiled: distributed.compile_model). Instruction
+regions (REGIONS: eager, compiled sublayers, the whole forward compiled: distributed.compile_model). The compiled
+regions' own kernels are skipped as the routing kernels are (skipped_compiled_kernels; on a CPU their C++ kernels
+would otherwise do the arithmetic a GPU does) and counted: on a GPU each is a launch, which the host pays for
+unless CUDA graphs replay the region. Instruction
 counts (valgrind's callgrind, the steps alone: instrumentation is switched on around them) do not move with the
 machine's load, as CPU time does.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
+import gc
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import torch
 import torch._inductor.config
@@ -96,6 +103,29 @@ def step_time(residual: str, repeats: int = 10, shape: dict = SHAPE, tokens: tup
     return {"seconds": statistics.median(times), "launches": stepper.launches}
 
 
+def take_turns(steppers: dict, repeats: int, announce: bool = False) -> dict[str, list[float]]:
+    """{name: host seconds of its `repeats` steps}: the steppers take turns, a step each per round, after two
+    warm-up rounds (the compiles). The objects alive after the warm-up (every stepper's model, graphs and compiled
+    code) are then moved out of the garbage collector's sight (gc.freeze): a collection during a step scans what
+    that step left, as in a training process of one model, not the other steppers' models, which would charge the
+    steps that make more Python objects (the routed ones) for the number of models in this process."""
+    for round in range(2):
+        for name, stepper in steppers.items():
+            stepper.step()
+            if announce and round == 0:
+                print(f"{name}: compiled and stepped once", file=sys.stderr, flush=True)
+    gc.collect()
+    gc.freeze()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    try:
+        for _ in range(repeats):
+            for name, stepper in steppers.items():
+                times[name].append(stepper.step())
+    finally:
+        gc.unfreeze()
+    return times
+
+
 def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10, shape: dict = SHAPE) -> dict[str, dict]:
     """Per method: host seconds per step (median), routing's share and launches per step. The methods take turns,
     a step each per round, and routing's share is the median over rounds of the method's step minus the
@@ -103,12 +133,7 @@ def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10, shape: dict =
     torch.set_num_threads(1)
     names = ("baseline", *[m for m in methods if m != "baseline"])
     steppers = {m: Stepper(m, shape) for m in names}
-    times: dict[str, list[float]] = {m: [] for m in names}
-    for round in range(repeats + 2):                                  # two warm-up rounds
-        for m in names:
-            seconds = steppers[m].step()
-            if round >= 2:
-                times[m].append(seconds)
+    times = take_turns(steppers, repeats)
     base = times["baseline"]
     return {m: {"seconds": statistics.median(t), "launches": steppers[m].launches,
                 "routing_seconds": statistics.median(a - b for a, b in zip(t, base))} for m, t in times.items()}
@@ -119,6 +144,33 @@ def measure(methods: tuple[str, ...] = METHODS, repeats: int = 10, shape: dict =
 REGIONS = {"eager": dict(kernel="triton"),
            "sublayers": dict(kernel="triton", compile=True, compile_regions="sublayers"),
            "model": dict(kernel="reference", compile=True, compile_regions="model")}
+
+
+@contextlib.contextmanager
+def skipped_compiled_kernels() -> Iterator[list[str]]:
+    """Every kernel of the compiled regions loaded so far (inductor's generated modules: on a CPU their C++
+    kernels, on a GPU their Triton launches) replaced, within the block, by a no-op that lists its name: as
+    skipped_launches does for the routing kernels, so that a compiled region's step counts its host work (the
+    generated code's Python: allocations, views, size checks, the calls themselves) and not its kernels' work,
+    which a GPU does. The outputs are then never written: the step's values are garbage, as with skipped_launches
+    (the meter's TrainStep lets the NaN guard skip such steps without stopping)."""
+    from torch._inductor.codecache import PyCodeCache
+    names: list[str] = []
+    kept: list[tuple[object, str, object]] = []
+    for module in list(PyCodeCache.modules):
+        with open(module.__file__) as f:
+            kernels = _KERNEL_DEFINITION.findall(f.read())
+        for name in kernels:
+            kept.append((module, name, getattr(module, name)))
+            setattr(module, name, lambda *args, _name=name, **kwargs: names.append(_name))
+    try:
+        yield names
+    finally:
+        for module, name, kernel in kept:
+            setattr(module, name, kernel)
+
+
+_KERNEL_DEFINITION = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)   # a generated module's kernels
 
 
 class Batches:
@@ -142,8 +194,9 @@ class TrainStep:
         keep_freed_memory()
         settings = dict(REGIONS[regions])
         model_cfg = ModelConfig(**(shape or STEP_SHAPE), residual=residual, kernel=settings.pop("kernel"))
+        # max_bad_steps: the skipped kernels leave the step's values garbage, and the guard skips those steps
         self.cfg = TrainConfig(device="cpu", batch_size=tokens[0], seq_len=tokens[1], compile_backend=backend,
-                               adamw="fused", **settings)
+                               adamw="fused", max_bad_steps=2 ** 62, **settings)
         self.ctx = distributed.Context(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
         import train                       # the training script's own pieces, as its loop calls them
         self.train = train
@@ -151,36 +204,47 @@ class TrainStep:
         self.run = train.Run.starting(self.ctx.device, self.optimizer)
         self.batches = Batches(model_cfg.vocab_size, tokens)
         self.stop = distributed.StopRequest(announce=False)       # never entered: no signal handlers
-        self.launches = 0
+        self.launches = self.compiled_kernels = 0
 
     def step(self) -> float:
         """Host seconds (CPU time) of one step: forward and backward, clipping, the optimizer, the read when due."""
         run, train = self.run, self.train
-        with skipped_launches() as launches:
+        with skipped_launches() as launches, skipped_compiled_kernels() as kernels:
             start = time.process_time()
             train._optimizer_step(run, self.cfg, self.ctx, self.model, self.optimizer, self.batches, 1)
             if run.read_due(self.cfg):
                 train._read_figures(run, self.cfg, self.ctx, lambda record, line: None, self.stop)
             seconds = time.process_time() - start
-        self.launches = len(launches)
+        self.launches, self.compiled_kernels = len(launches), len(kernels)
         return seconds
 
 
 def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] = tuple(REGIONS),
                   repeats: int = 10, shape: dict = STEP_SHAPE, backend: str = "inductor") -> dict[str, dict]:
-    """{"method/regions": {"seconds": median host seconds of a whole step, "launches"}}; the steppers take turns,
-    a step each per round, so that a slow spell of a shared machine is spread over all of them."""
+    """{"method/regions": {"seconds": median host seconds of a whole step, "launches" of the routing kernels,
+    "compiled_kernels": calls of the compiled regions' kernels}}, both skipped; the steppers take turns, a step each
+    per round, so that a slow spell of a shared machine is spread over all of them."""
     torch.set_num_threads(1)
     steppers = {f"{m}/{r}": TrainStep(m, r, shape, backend=backend) for m in methods for r in regions}
-    times: dict[str, list[float]] = {name: [] for name in steppers}
-    for round in range(repeats + 2):                                  # two warm-up rounds (the compiles)
-        for name, stepper in steppers.items():
-            seconds = stepper.step()
-            if round >= 2:
-                times[name].append(seconds)
-            elif round == 0:
-                print(f"{name}: compiled and stepped once", file=sys.stderr, flush=True)
-    return {name: {"seconds": statistics.median(t), "launches": steppers[name].launches} for name, t in times.items()}
+    times = take_turns(steppers, repeats, announce=True)
+    return {name: {"seconds": statistics.median(t), "launches": steppers[name].launches,
+                   "compiled_kernels": steppers[name].compiled_kernels} for name, t in times.items()}
+
+
+def measure_regions(repeats: int = 10, regions: tuple[str, ...] = tuple(REGIONS)) -> dict[str, dict]:
+    """measure_steps per compiled region, each in a process of its own in which every method takes turns: in one
+    process for all regions, the routed steps came out 5 to 20 ms slower than with their region alone (the
+    baseline's 1 to 8 ms), with the same code, so the regions' compiled code and models would disturb each
+    other's figures."""
+    results: dict[str, dict] = {}
+    for region in regions:
+        child = subprocess.run([sys.executable, "-m", "meters.host", "--step-region", region, "--repeats",
+                                str(repeats)], check=True, stdout=subprocess.PIPE, text=True, cwd=_ROOT)
+        results.update(json.loads(child.stdout.splitlines()[-1]))
+    return results
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_SHAPE) -> int:
@@ -216,18 +280,20 @@ def _counted(method: str, regions: str, steps: int, shape: dict) -> None:
 
 def main_steps(args: argparse.Namespace) -> None:
     """--step: the whole step per method and compiled regions, with --instructions callgrind's counts."""
-    results = measure_steps(repeats=args.repeats)
+    results = measure_regions(repeats=args.repeats)
     if args.instructions:
         for name, r in results.items():
             r["instructions"] = instructions(*name.split("/"))
     print(f"host time per optimizer step as train.py takes it on a GPU, {STEP_SHAPE['n_layers']} layers, d = "
           f"{STEP_SHAPE['d_model']}, {STEP_SHAPE['n_blocks']} "
           f"blocks, launches skipped; regions: {', '.join(f'{k} {v}' for k, v in REGIONS.items())}")
-    print(f"{'method':<14}" + "".join(f"{r + ' ms':>16}" for r in REGIONS) + f"{'launches':>10}"
+    print(f"{'method':<14}" + "".join(f"{r + ' ms':>16}" for r in REGIONS)
+          + "".join(f"{r + ' launches':>20}" for r in REGIONS)
           + ("".join(f"{r + ' Minstr':>18}" for r in REGIONS) if args.instructions else ""))
     for method in METHODS:
         rows = [results[f"{method}/{r}"] for r in REGIONS]
-        print(f"{method:<14}" + "".join(f"{1e3 * r['seconds']:>16.1f}" for r in rows) + f"{rows[0]['launches']:>10}"
+        print(f"{method:<14}" + "".join(f"{1e3 * r['seconds']:>16.1f}" for r in rows)
+              + "".join(f"{r['launches'] + r['compiled_kernels']:>20}" for r in rows)
               + ("".join(f"{r['instructions'] / 1e6:>18.1f}" for r in rows) if args.instructions else ""))
     if args.json:
         with open(args.json, "w") as f:
@@ -236,8 +302,7 @@ def main_steps(args: argparse.Namespace) -> None:
 
 
 def _commit() -> str:
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_ROOT)
     return found.stdout.strip() or "unknown"
 
 
@@ -247,12 +312,15 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--step", action="store_true", help="the whole optimizer step, per compiled region")
     parser.add_argument("--instructions", action="store_true", help="with --step: callgrind's instruction counts")
+    parser.add_argument("--step-region", choices=tuple(REGIONS), help=argparse.SUPPRESS)
     parser.add_argument("--counted", nargs=2, metavar=("METHOD", "REGIONS"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--shape", type=json.loads, default=STEP_SHAPE, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.counted:
         return _counted(*args.counted, args.steps, args.shape)
+    if args.step_region:          # measure_regions' child: the figures as the last line of its output
+        return print(json.dumps(measure_steps(regions=(args.step_region,), repeats=args.repeats)))
     if args.instructions and not args.step:
         parser.error("--instructions counts the whole step: add --step")
     if args.step:

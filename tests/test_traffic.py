@@ -148,14 +148,21 @@ def test_the_host_meter_counts_launches_and_routing_time():
 
 def test_the_whole_step_meter_takes_train_pys_step_per_compiled_region():
     """meters.host --step: the optimizer step as train.py takes it, for each compiled region: the kernel path's
-    launches are skipped (eager, sublayers), the whole forward compiled on the reference path launches none,
-    and the step really trains (the optimizer moves the weights)."""
+    launches are skipped (eager, sublayers), the whole forward compiled on the reference path launches none of
+    them, and the step really trains (the optimizer moves the weights); once compiled, the region's own kernels
+    are skipped too, counted, and put back after the step."""
+    from torch._inductor.codecache import PyCodeCache
     shape = dict(host.STEP_SHAPE, n_layers=2, n_blocks=2)
-    stepper = host.TrainStep("delta_block", "model", shape, backend="aot_eager")
+    stepper = host.TrainStep("delta_block", "model", shape)
     assert stepper.optimizer.defaults["fused"] and stepper.run.guard_on_device      # as on a GPU
     before = [p.detach().clone() for p in stepper.model.parameters()]
-    assert stepper.step() > 0 and stepper.launches == 0
+    assert stepper.step() > 0 and stepper.launches == 0                             # compiles: its kernels run
     assert any(not torch.equal(a, p) for a, p in zip(before, stepper.model.parameters()))
+    kernels = [getattr(m, name) for m in PyCodeCache.modules for name in host._KERNEL_DEFINITION.findall(
+        open(m.__file__).read())]
+    assert kernels and stepper.step() > 0 and stepper.launches == 0 and stepper.compiled_kernels > 2  # fwd, bwd
+    assert kernels == [getattr(m, name) for m in PyCodeCache.modules for name in host._KERNEL_DEFINITION.findall(
+        open(m.__file__).read())]
     results = host.measure_steps(("baseline", "delta_block"), repeats=1, shape=shape, backend="aot_eager")
     assert set(results) == {f"{m}/{r}" for m in ("baseline", "delta_block") for r in host.REGIONS}
     assert results["delta_block/eager"]["launches"] == results["delta_block/sublayers"]["launches"] > 0
