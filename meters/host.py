@@ -231,7 +231,8 @@ def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] =
                    "compiled_kernels": steppers[name].compiled_kernels} for name, t in times.items()}
 
 
-def measure_regions(repeats: int = 10, regions: tuple[str, ...] = tuple(REGIONS)) -> dict[str, dict]:
+def measure_regions(repeats: int = 10, regions: tuple[str, ...] = tuple(REGIONS),
+                    shape: dict = STEP_SHAPE) -> dict[str, dict]:
     """measure_steps per compiled region, each in a process of its own in which every method takes turns: in one
     process for all regions, the routed steps came out 5 to 20 ms slower than with their region alone (the
     baseline's 1 to 8 ms), with the same code, so the regions' compiled code and models would disturb each
@@ -239,7 +240,8 @@ def measure_regions(repeats: int = 10, regions: tuple[str, ...] = tuple(REGIONS)
     results: dict[str, dict] = {}
     for region in regions:
         child = subprocess.run([sys.executable, "-m", "meters.host", "--step-region", region, "--repeats",
-                                str(repeats)], check=True, stdout=subprocess.PIPE, text=True, cwd=_ROOT)
+                                str(repeats), "--shape", json.dumps(shape)], check=True, stdout=subprocess.PIPE,
+                               text=True, cwd=_ROOT)
         results.update(json.loads(child.stdout.splitlines()[-1]))
     return results
 
@@ -320,7 +322,8 @@ def main() -> None:
     if args.counted:
         return _counted(*args.counted, args.steps, args.shape)
     if args.step_region:          # measure_regions' child: the figures as the last line of its output
-        return print(json.dumps(measure_steps(regions=(args.step_region,), repeats=args.repeats)))
+        return print(json.dumps(measure_steps(regions=(args.step_region,), repeats=args.repeats,
+                                              shape=args.shape)))
     if args.instructions and not args.step:
         parser.error("--instructions counts the whole step: add --step")
     if args.step:

@@ -167,6 +167,9 @@ def test_the_whole_step_meter_takes_train_pys_step_per_compiled_region():
     assert set(results) == {f"{m}/{r}" for m in ("baseline", "delta_block") for r in host.REGIONS}
     assert results["delta_block/eager"]["launches"] == results["delta_block/sublayers"]["launches"] > 0
     assert results["baseline/eager"]["launches"] == 0 and all(r["seconds"] > 0 for r in results.values())
+    apart = host.measure_regions(repeats=1, regions=("eager",), shape=shape)    # a process per region
+    assert set(apart) == {f"{m}/eager" for m in host.METHODS} and apart["delta_block/eager"]["launches"] == \
+        results["delta_block/eager"]["launches"] and apart["baseline/eager"]["compiled_kernels"] == 0
 
 
 def test_skipped_launches_are_listed_and_never_described():
