@@ -21,12 +21,12 @@ tokens, about 65 ms of H100 work, so 6.5 ms.
 
 `--step` measures what train.py's loop does per step (train.forward_backward, clipping, the optimizer, the loss
 and norm read back), built as train.py builds it (train._build), for each method under each choice of compiled
-regions (REGIONS: eager, compiled sublayers, the whole forward compiled: distributed.compile_model). The compiled
-regions' own kernels are skipped as the routing kernels are (skipped_compiled_kernels; on a CPU their C++ kernels
-would otherwise do the arithmetic a GPU does) and counted: on a GPU each is a launch, which the host pays for
-unless CUDA graphs replay the region. Instruction
-counts (valgrind's callgrind, the steps alone: instrumentation is switched on around them) do not move with the
-machine's load, as CPU time does.
+regions (REGIONS: eager, compiled sublayers, the whole forward compiled: distributed.compile_model), each region in
+a process of its own (measure_regions). The compiled regions' own kernels are skipped as the routing kernels are
+(skipped_compiled_kernels; on a CPU their C++ kernels would otherwise do the arithmetic a GPU does) and counted: on
+a GPU each is a launch, which the host pays for unless CUDA graphs replay the region. Instruction counts
+(valgrind's callgrind, the steps alone: instrumentation is switched on around them) do not move with the machine's
+load, as CPU time does.
 """
 from __future__ import annotations
 
@@ -106,9 +106,8 @@ def step_time(residual: str, repeats: int = 10, shape: dict = SHAPE, tokens: tup
 def take_turns(steppers: dict, repeats: int, announce: bool = False) -> dict[str, list[float]]:
     """{name: host seconds of its `repeats` steps}: the steppers take turns, a step each per round, after two
     warm-up rounds (the compiles). The objects alive after the warm-up (every stepper's model, graphs and compiled
-    code) are then moved out of the garbage collector's sight (gc.freeze): a collection during a step scans what
-    that step left, as in a training process of one model, not the other steppers' models, which would charge the
-    steps that make more Python objects (the routed ones) for the number of models in this process."""
+    code) are then moved out of the garbage collector's sight (gc.freeze), so that a collection during a step scans
+    what that step left and not the other steppers' models, which a training process of one model does not hold."""
     for round in range(2):
         for name, stepper in steppers.items():
             stepper.step()
@@ -233,10 +232,10 @@ def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] =
 
 def measure_regions(repeats: int = 10, regions: tuple[str, ...] = tuple(REGIONS),
                     shape: dict = STEP_SHAPE) -> dict[str, dict]:
-    """measure_steps per compiled region, each in a process of its own in which every method takes turns: in one
-    process for all regions, the routed steps came out 5 to 20 ms slower than with their region alone (the
-    baseline's 1 to 8 ms), with the same code, so the regions' compiled code and models would disturb each
-    other's figures."""
+    """measure_steps per compiled region, each in a process of its own in which every method takes turns. With
+    every region in one process, the routed methods' steps with compiled sublayers measured 16 to 21 ms slower than
+    with that region alone, the baseline's 6 to 8 ms (same code, same machine): the regions' compiled code and
+    models disturb each other's figures."""
     results: dict[str, dict] = {}
     for region in regions:
         child = subprocess.run([sys.executable, "-m", "meters.host", "--step-region", region, "--repeats",
