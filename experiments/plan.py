@@ -139,17 +139,22 @@ class Plan:
         return os.path.join("results", self.name, "results.json")
 
 
+def _names(name: str, seeds: tuple[int, ...] = SEEDS) -> list[str]:
+    """The run names of one row: NAME_s<seed> per seed."""
+    return [f"{name}_s{s}" for s in seeds]
+
+
 def _seeded(runs: list[Run], label: str, name: str, overrides: dict, cost: float, seeds: tuple[int, ...] = SEEDS,
             pace_from: tuple[str, ...] = (), config: str = CONFIG) -> tuple[str, list[str]]:
-    """A table row of one run per seed (NAME_s<seed>), its runs added to `runs`: (label, run names)."""
-    names = [f"{name}_s{s}" for s in seeds]
+    """A table row of one run per seed (_names), its runs added to `runs`: (label, run names)."""
+    names = _names(name, seeds)
     runs += [Run(n, {**overrides, "seed": s}, cost, pace_from, config) for n, s in zip(names, seeds)]
     return label, names
 
 
 def _t1(slug: str) -> list[str]:
     """The names of Table 1's runs of one method, which other sections' rows reuse."""
-    return [f"t1_{slug}_s{s}" for s in SEEDS]
+    return _names(f"t1_{slug}")
 
 
 def full_plan() -> Plan:
@@ -222,12 +227,12 @@ def depth_plan() -> Plan:
                                 f"Mean ± std over seeds {DEPTH_SEEDS[0]}-{DEPTH_SEEDS[-1]}; the change vs the "
                                 "baseline is paired by seed (same init and data order).", rows, plots))
     # the block points of the grid at 36 layers: boundary states beside Table 1's block sums (= boundary deltas)
-    n_layers, rows = DEPTHS[0], [("baseline", [f"l{DEPTHS[0]}_baseline_s{s}" for s in DEPTH_SEEDS])]
+    n_layers, rows = DEPTHS[0], [("baseline", _names(f"l{DEPTHS[0]}_baseline", DEPTH_SEEDS))]
     for label in ("attnres", "delta_block"):
         for sources in ("deltas", "states"):
             row, slug = f"{label}, {sources}", METHODS[label][0]
             if sources == "deltas":         # the equal-steps section's runs
-                rows.append((row, [f"l{n_layers}_{slug}_s{s}" for s in DEPTH_SEEDS]))
+                rows.append((row, _names(f"l{n_layers}_{slug}", DEPTH_SEEDS)))
             else:
                 rows.append(_seeded(runs, row, f"l{n_layers}_{slug}_states",
                                     {"residual": label, "sources": sources, "n_layers": n_layers},

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import json
 import os
@@ -157,9 +158,7 @@ def skipped_compiled_kernels() -> Iterator[list[str]]:
     names: list[str] = []
     kept: list[tuple[object, str, object]] = []
     for module in list(PyCodeCache.modules):
-        with open(module.__file__) as f:
-            kernels = _KERNEL_DEFINITION.findall(f.read())
-        for name in kernels:
+        for name in kernel_names(module.__file__):
             kept.append((module, name, getattr(module, name)))
             setattr(module, name, lambda *args, _name=name, **kwargs: names.append(_name))
     try:
@@ -169,7 +168,11 @@ def skipped_compiled_kernels() -> Iterator[list[str]]:
             setattr(module, name, kernel)
 
 
-_KERNEL_DEFINITION = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)   # a generated module's kernels
+@functools.cache   # a generated module's file never changes: read once, not at every step
+def kernel_names(path: str) -> tuple[str, ...]:
+    """The names of the kernels a generated module (inductor's wrapper, at `path`) defines."""
+    with open(path) as f:
+        return tuple(re.findall(r"^(\w+) = async_compile\.\w+\(", f.read(), re.MULTILINE))
 
 
 class Batches:
