@@ -20,29 +20,26 @@ so a receiver's backward needs only its own sources and writes go, D (and keeps 
 then reads each committed source once, sums ds_i over the group's receivers and adds it in place into one
 gradient accumulator per source, and gives each receiver the committed part of its du.
 
-This file holds phase 1 (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit aligned
-loads; pipelined); phase 2, fused with the pre-norm, is depth_kernels/receiver_read.py:
+This file holds phase 1's forward (fp32 accumulation; sources in at most two dtypes, one loop each; 128-bit
+aligned loads; pipelined); its backward is depth_kernels/group_backward.py, and phase 2, fused with the
+pre-norm, depth_kernels/receiver_read.py:
 - `_group_fwd`: R receivers at once on tensor cores, per token row a small attention over its sources taken in
   blocks of 16 (Z^T = rstd U S^T, then r_C += S^T P with the online softmax's rescaling once per block), in
   persistent programs, two per SM (helpers: depth_kernels/group_tiles.py); `_group_fwd_rows` for rows wider
-  than d = 1280 (a row per program on the CUDA cores);
-- `_group_bwd`: R receivers at once (8 to d = 2048), their rows of a token taken in groups: the committed
-  sources' gradients summed over the receivers, and their du.
+  than d = 1280 (a row per program on the CUDA cores).
 """
 from __future__ import annotations
 
 import functools
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
-from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget, row_tiles, wave
+from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget, row_tiles
 from depth_kernels.group_tiles import block_rows, chunk_cols, fold_block, parts_rows, query_parts
-from depth_kernels.tiles import (accumulate_grad, read_table, row_add, row_axpy, row_colsum, row_cols, row_div, row_dot,
-                                 row_load, row_masks, row_mul, row_offsets, row_own, row_scale, row_store, row_zeros,
-                                 table_source)
+from depth_kernels.tiles import (read_table, row_cols, row_div, row_load, row_masks, row_mul, row_offsets, row_own,
+                                 row_store, row_zeros)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -143,103 +140,14 @@ def _group_fwd_rows(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, state_ptr, lse_c_
     tl.store(lse_c_ptr + recv.to(tl.int64) * M + row, m + tl.log(l), mask=recv_ok)
 
 
-@triton.jit
-def _committed_grad(s, U, du, go_row, D, lse, r0, n_recv, slab, cols, own, d, eps, H: tl.constexpr,
-                    GROUPS: tl.constexpr, grad, offs, masks, accumulate):
-    """One committed source row s (split: (1, width) tiles), summed over receivers r0 + [0, GROUPS H) taken in
-    GROUPS groups of H: its gradient ds (split like s), written or added (accumulate) to its accumulator row
-    `grad`, and du returned with each receiver's term dz rstd s added. U and
-    du are tuples of the groups' folded queries and du sums (split rows of (H, width) tiles), D and lse of their
-    (H,) per-row scalars. A group's go rows (go_row + receiver slab) are read here for each source and used at
-    once: U and du are all a pass holds across the sources, which lets 8 receivers share one program's
-    registers at d <= 2048 (their go as well would not fit). The row's go comes from memory for the first
-    source, from cache for the others. The read sits in a branch (which also skips a group past the last
-    receiver) so that the source loop's software pipeline, which stages the loads of the loop body, does not
-    keep STAGES copies of it in shared memory."""
-    rstd = tl.rsqrt(row_dot(s, s) / d + eps)
-    ds = row_zeros(1, cols)
-    shrink = tl.zeros_like(rstd)                                          # sum_r dz_r rstd z_r
-    new_du = ()
-    k = tl.arange(0, H)
-    for g in tl.static_range(GROUPS):
-        first = r0 + g * H
-        du_g = du[g]
-        if first < n_recv:
-            go = row_load(go_row, row_offsets((first + k)[:, None].to(tl.int64) * slab, cols),
-                          row_masks(first + k < n_recv, own))
-            us = tl.zeros((H,), tl.float32)
-            gs = tl.zeros((H,), tl.float32)
-            for c in tl.static_range(len(cols)):                          # both dot products, one reduction
-                us_c, gs_c = tl.split(tl.sum(tl.join(U[g][c] * s[c], go[c] * s[c]), axis=1))
-                us += us_c
-                gs += gs_c
-            z = us * rstd
-            a = tl.exp(z - lse[g])                                        # 0 for masked receivers (lse = inf)
-            dz_rstd = a * (gs - D[g]) * rstd
-            ds = row_colsum(ds, row_axpy(dz_rstd, U[g], row_scale(go, a)))    # + sum_r a go + dz rstd u
-            du_g = row_add(du_g, row_scale(s, dz_rstd))
-            shrink += tl.sum(dz_rstd * z, axis=0)
-        new_du = new_du + (du_g,)
-    accumulate_grad(grad, row_axpy(-(shrink * rstd / d), s, ds), offs, masks, accumulate)
-    return new_du
-
-
-@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "tiles", "accumulate"])
-def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, acc_a_ptr, acc_b_ptr,
-               off_a, off_b, du_ptr, tiles, accumulate, M, d, eps,
-               A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R_BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
-    """The committed sources' gradients for receivers r0 + [0, R_BLOCK) (those < n_recv), in GROUPS groups of
-    R_BLOCK / GROUPS: source i's summed over them goes to accumulator off_a + i of acc_a (a slot = slab
-    elements) or off_b + i - n_a of acc_b. Each program takes `tiles` consecutive token rows and writes its
-    partial sum of every receiver's du (du_ptr (programs, R_BLOCK, d), row pid). D, lse: (n_recv, M) with fewer
-    than 2^31 entries. A row is split as in _group_fwd."""
-    pid = tl.program_id(0)
-    H: tl.constexpr = R_BLOCK // GROUPS
-    k = tl.arange(0, H)
-    cols, own = row_cols(d, BLOCK_D, BLOCK_T)
-    masks = row_own(own)
-    U = ()
-    du = ()
-    for g in tl.static_range(GROUPS):
-        recv = r0 + g * H + k
-        U = U + (_receiver_queries(q_ptr, g_ptr, recv, recv < n_recv, cols, own, d),)
-        du = du + (row_zeros(H, cols),)
-    # disable_licm: what the source loops do once per row (their pipelines' first loads, their bounds) would
-    # otherwise be hoisted out of the row loop and held in registers through both source loops
-    for t in tl.range(tiles, disable_licm=True):
-        row = pid * tiles + t
-        if row < M:
-            offs = row_offsets(row.to(tl.int64) * d, cols)
-            go_row = go_ptr + row.to(tl.int64) * d
-            D = ()
-            lse = ()
-            for g in tl.static_range(GROUPS):
-                recv = r0 + g * H + k
-                D = D + (tl.load(D_ptr + recv * M + row, mask=recv < n_recv, other=0.0),)
-                lse = lse + (tl.load(lse_ptr + recv * M + row, mask=recv < n_recv, other=float("inf")),)
-            for i in tl.range(0, n_a, num_stages=STAGES):                  # a loop per dtype: tiles.fold_source
-                du = _committed_grad(table_source(table, i, A_DTYPE, offs, masks), U, du, go_row, D, lse, r0,
-                                     n_recv, slab, cols, own, d, eps, H, GROUPS,
-                                     acc_a_ptr + (off_a + i).to(tl.int64) * slab, offs, masks, accumulate)
-            for i in tl.range(n_a, n_a + n_b, num_stages=STAGES):
-                du = _committed_grad(table_source(table, i, B_DTYPE, offs, masks), U, du, go_row, D, lse, r0,
-                                     n_recv, slab, cols, own, d, eps, H, GROUPS,
-                                     acc_b_ptr + (off_b + i - n_a).to(tl.int64) * slab, offs, masks, accumulate)
-    out = row_offsets(pid.to(tl.int64) * R_BLOCK * d + k[:, None] * d, cols)
-    for g in tl.static_range(GROUPS):
-        for c in tl.static_range(len(cols)):
-            tl.store(du_ptr + g * H * d + out[c], du[g][c], mask=masks[c])
-
-
 # ------------------------------------------------------------------------------------------ launching
 
 # Programs per SM each kernel is built for (meters/aot.py checks registers against it). The forward
 # (tensor cores) holds a row's read-outs (R_BLOCK x d fp32, 80 registers a thread at d = 1280 on 4 warps) and
 # stages a block of sources and the queries' parts in shared memory (107 KB at d = 1280): two programs per SM, each
-# with its blocks of sources in flight. The others hold every receiver's running sum of a row (_group_fwd_rows) or
-# its folded query and du (backward): one program per SM, whose software pipeline keeps source rows in flight.
-PROGRAMS_PER_SM = {"_group_fwd": 2, "_group_fwd_rows": 1, "_group_bwd": 1}
+# with its blocks of sources in flight. _group_fwd_rows holds every receiver's running sum of a row: one program
+# per SM, whose software pipeline keeps source rows in flight.
+PROGRAMS_PER_SM = {"_group_fwd": 2, "_group_fwd_rows": 1}
 TENSOR_CORE_WIDTH = 1280   # the widest row _group_fwd takes: a block of 16 at 2048 and its queries' parts (8 x 2048
                            # x 3 bf16) would not fit two programs' shared memory (_group_fwd_rows reads wider ones)
 
@@ -264,29 +172,6 @@ def _forward_config(d: int) -> tuple[triton.JITFunction, dict]:
     return _group_fwd_rows, dict(R_BLOCK=8 if block_d <= 2048 else 4, BLOCK_M=1, **tiles,
                                  STAGES=8 if block_d > 1024 else 6,
                                  num_warps=warps, maxnreg=register_budget(warps, PROGRAMS_PER_SM["_group_fwd_rows"]))
-
-
-@functools.cache   # a pure function of its arguments, asked at every launch
-def _group_config(d: int, backward: bool = True, element_size: int = 2) -> dict:
-    """The backward's tiles: R_BLOCK receivers' rows of one token row in registers, their folded queries and du,
-    in GROUPS groups of R_BLOCK / GROUPS receivers whose go rows are read per source, not held. 8 receivers to
-    d = 2048, 4 at 4096: the query and du tiles are then (8, 2048) fp32 each, half the registers of an SM, and
-    with go held as well they would spill. More receivers than R_BLOCK take further launches. With one program
-    per SM, the source loop's pipeline (STAGES tiles in flight, staged in shared memory) is what keeps loads in
-    flight (meters/occupancy.py): 16-bit sources 8 stages to d = 1024 and 6 to 2048, else 4.
-    element_size: the bytes of the table's sources. A row is split (depth_kernels.launch.row_split) with a tail of
-    at least two lanes per thread (32-bit transfers of 16-bit sources): at d = 1280 on 8 warps, 1024 + 512 lanes."""
-    block_d = triton.next_power_of_2(d)
-    if interpreting():
-        return dict(R_BLOCK=16, **row_tiles(d, 4), STAGES=1, num_warps=4, GROUPS=4)
-    stages = (8 if block_d <= 1024 else 6) if block_d <= 2048 and element_size <= 2 else 4
-    return dict(R_BLOCK=8 if block_d <= 2048 else 4, GROUPS=4, **row_tiles(d, 8), STAGES=stages, num_warps=8,
-                maxnreg=register_budget(8, PROGRAMS_PER_SM["_group_bwd"]))
-
-
-def receivers_per_pass(d: int) -> int:
-    """How many receivers phase 1's backward serves in one pass over the sources at width d."""
-    return _group_config(d, backward=True)["R_BLOCK"]
 
 
 def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, state: Tensor,
@@ -317,33 +202,3 @@ def _steps(table: SourceTable, block: int) -> dict:
     once per program)."""
     steps = {f"{run}_STEP": block if table.dtype(k) == tl.bfloat16 else 1 for k, run in enumerate("AB")}
     return dict(steps, C_MAX=max(16, triton.next_power_of_2(len(table.tensors))))
-
-
-def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps: float, go: Tensor, D: Tensor,
-                   lse: Tensor, accumulators: tuple[Tensor, Tensor, int, int], accumulate: bool) -> Tensor:
-    """Phase 1's backward: the committed sources' gradients into `accumulators` (acc_a, acc_b, off_a, off_b:
-    see GradBank.pointers), written or added to; returns du (n_recv, d) fp32, the committed part."""
-    first = table.tensors[0]
-    M, d = first.numel() // first.shape[-1], first.shape[-1]
-    if D.numel() >= 2 ** 31:      # the kernel reads D and lse (n_recv, M) at 32-bit offsets
-        raise ValueError(f"phase 1's backward takes fewer than 2^31 per-row scalars; got {tuple(D.shape)}")
-    cfg = _group_config(d, backward=True, element_size=table.tensors[-1].element_size())
-    n_recv, block = queries.shape[0], cfg["R_BLOCK"]
-    programs, tiles = wave(M, PROGRAMS_PER_SM["_group_bwd"], first.device)
-    du = torch.empty(cdiv(n_recv, block), programs, block, d, dtype=torch.float32, device=first.device)
-    acc_a, acc_b, off_a, off_b = accumulators
-    n_a, n_b = table.n_a, len(table.tensors) - table.n_a
-
-    def io(c: int, r0: int, chunk: int) -> tuple[list, list]:
-        grads = [acc_a[off_a:off_a + n_a, :first.numel()], acc_b[off_b:off_b + n_b, :first.numel()]]
-        reads = [(table, 1), (go[r0:r0 + chunk, :first.numel()], 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]
-        return reads + [(g, 1) for g in grads if accumulate or c], grads + [du[c]]
-
-    for c, r0 in enumerate(range(0, n_recv, block)):
-        chunk = min(block, n_recv - r0)
-        launch(_group_bwd, programs, lambda: io(c, r0, chunk), first.device, dict(
-            table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, r0=r0, n_recv=n_recv,
-            go_ptr=go, D_ptr=D, lse_ptr=lse, slab=go.shape[1], acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a,
-            off_b=off_b, du_ptr=du[c], tiles=tiles, M=M, d=d, eps=eps, accumulate=int(accumulate or c > 0),
-            **table.dtype_args(), **cfg))
-    return du.sum(1).flatten(0, 1)[:n_recv]

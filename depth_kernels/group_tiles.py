@@ -21,14 +21,14 @@ def source_block(addresses, lo, first, hi, DTYPE: tl.constexpr, CB: tl.constexpr
 
 
 @triton.jit
-def chunk_cols(c: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr):
+def chunk_cols(c, CHUNK: tl.constexpr, W: tl.constexpr):
     """Chunk c's columns as (W, CHUNK // W, 1): W slices of the chunk, one per warp."""
     K: tl.constexpr = CHUNK // W
     return c * CHUNK + (tl.arange(0, W)[:, None] * K + tl.arange(0, K)[None, :])[:, :, None]
 
 
 @triton.jit
-def load_chunk(ptrs, start, c: tl.constexpr, d, CHUNK: tl.constexpr, W: tl.constexpr):
+def load_chunk(ptrs, start, c, d, CHUNK: tl.constexpr, W: tl.constexpr):
     """Chunk c of one token row (at element `start`) of a block of sources, transposed and in W slices:
     (W, CHUNK // W, CB) in the sources' dtype, 0 past d."""
     cols = chunk_cols(c, CHUNK, W)
@@ -36,7 +36,7 @@ def load_chunk(ptrs, start, c: tl.constexpr, d, CHUNK: tl.constexpr, W: tl.const
 
 
 @triton.jit
-def queries_chunk(q_ptr, g_ptr, recv, recv_ok, c: tl.constexpr, d, CHUNK: tl.constexpr, W: tl.constexpr):
+def queries_chunk(q_ptr, g_ptr, recv, recv_ok, c, d, CHUNK: tl.constexpr, W: tl.constexpr):
     """Chunk c of the receivers' folded queries u = query * norm_weight: (W, R, CHUNK // W) fp32."""
     cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))
     at = recv[None, :, None] * d + cols

@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from depth_kernels.group_read import group_backward, group_forward
+from depth_kernels.group_backward import group_backward
+from depth_kernels.group_read import group_forward
 from depth_kernels.groups import GradBank, Group, commits_before, fine_group_size, plan_groups
 from depth_kernels.launch import SourceList, aligned, slot_view, slots
 from depth_kernels.receiver_read import Inputs, Read, receiver_backward, receiver_forward

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from depth_kernels.group_read import receivers_per_pass
+from depth_kernels.group_backward import receivers_per_pass
 from depth_kernels.launch import SourceTable, slots
 from depth_kernels.receiver_read import ReadGrads, backward_wave
 from router import Policy, Router

@@ -40,7 +40,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from depth_kernels import depth_route, group_read, receiver_read
+from depth_kernels import depth_route, group_backward, group_read, receiver_read
 from depth_kernels.launch import register_budget
 from depth_kernels.observers import Launch, observe_launches
 from meters import sass
@@ -172,7 +172,8 @@ def compile_one(name: str, spec: tuple, read_code: bool | None = None) -> Compil
 
 def programs_per_sm(name: str) -> int:
     """How many programs of a kernel are meant to share an SM (each kernel module says, with the reason)."""
-    per_sm = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **receiver_read.PROGRAMS_PER_SM}
+    per_sm = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM,
+           **receiver_read.PROGRAMS_PER_SM}
     return per_sm[name.split()[0]]
 
 

@@ -25,15 +25,16 @@ from dataclasses import dataclass
 
 import triton
 
-from depth_kernels import depth_route, group_read, receiver_read
+from depth_kernels import depth_route, group_backward, group_read, receiver_read
 from depth_kernels.launch import H100_SMS, SourceTable
 from depth_kernels.observers import Launch
 
 LATENCY_S = 600e-9          # a global load's latency under load on sm_90 (HBM3)
 MIN_IN_FLIGHT = 16 * 1024   # bytes per SM the checks ask for: 3.35 TB/s x 600 ns / 132 SMs is about 15 KB
 MAX_MASKED = 0.20           # the checks' bound on lanes that compute nothing
-PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **receiver_read.PROGRAMS_PER_SM}
-ONE_ROW = ("_group_fwd", "_group_bwd")   # one token row per program (the receivers' rows are what they hold)
+PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM,
+                   **receiver_read.PROGRAMS_PER_SM}
+ONE_ROW = ("_group_fwd", "_group_logits", "_group_bwd")   # a token row at a time (the receivers' rows are what they hold)
 
 
 @dataclass
@@ -75,6 +76,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
               if not isinstance(t, SourceTable) and not any(t is w for w in launch.writes))   # their sources
     rows = 1 if name in ONE_ROW else args["BLOCK_M"]
     in_flight = programs * rows * (args.get("ROW_STAGES", 1) * row + args["STAGES"] * streamed)
+    in_flight /= args.get("NC", 1)     # phase 1's backward: a program takes one chunk of the NC of every row
     return Occupancy(name, d, programs, rows, int(in_flight), 1 - d / lanes)
 
 

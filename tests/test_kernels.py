@@ -305,63 +305,49 @@ def test_grouped_read_is_one_softmax_over_every_source(case, scale_of_logits, na
     assert_grouped_matches_reference(case, scale_of_logits)
 
 
-@pytest.mark.parametrize("r_block,groups", [(4, 2), (8, 4)], ids=["R4xG2", "R8xG4"])
-def test_phase_one_backward_in_passes_and_groups(r_block, groups, monkeypatch, nan_empty):
-    """Phase 1's backward as it is built for a GPU: R_BLOCK receivers per pass taken in GROUPS groups of
-    R_BLOCK / GROUPS. Groups of 7 receivers and 1 take two passes (4 + 3) or one, with a group partly past the
-    last receiver and groups wholly past it: every input and gradient as the reference's."""
-    from depth_kernels import group_read
-    config = group_read._group_config
-    compiled = dict(R_BLOCK=r_block, GROUPS=groups)
-    monkeypatch.setattr(group_read, "_group_config", lambda d, backward, element_size=2:
-                        dict(config(d, backward, element_size), **(compiled if backward else {})))
-    assert_grouped_matches_reference(("delta", {"null_source": True}, 7, {"gate": True}), 0.3)
-
-
 def gpu_configs(monkeypatch):
     """The launchers' configurations as a GPU launch chooses them, asked here whether or not one is present (the
     configuration functions are plain Python; nothing is launched while this is in force)."""
-    from depth_kernels import group_read, launch, receiver_read
-    for module in (launch, group_read, receiver_read):
+    from depth_kernels import group_backward, group_read, launch, receiver_read
+    for module in (launch, group_read, group_backward, receiver_read):
         monkeypatch.setattr(module, "interpreting", lambda: False)
     # caches of their own, so the interpreter's configurations do not meet the GPU's in either one
-    for module, name in ((group_read, "_group_config"), (group_read, "_forward_config"),
+    for module, name in ((group_backward, "backward_config"), (group_read, "_forward_config"),
                          (receiver_read, "_receiver_config")):
         monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))
-    return group_read, receiver_read
+    return group_read, group_backward, receiver_read
 
 
-INTERPRETER_TILES = ("the interpreter's tiles: there a row's tail is at least a quarter tile (d = 80: 64 + 32), on a "
-                     "GPU at least two lanes a thread (512 on 8 warps), so d = 80 and 96 are one tile there; "
-                     "test_phase_one_splits_rows_as_a_gpu_does and test_phase_one_on_split_rows_on_a_gpu cover a GPU")
+INTERPRETER_CHUNKS = ("the interpreter's column chunks (64 columns: d = 80 and 96 are a chunk and a partly masked one); a "
+                      "GPU takes 256 or 512, so they are one chunk there: test_phase_one_chunks_rows_as_a_gpu_does and "
+                      "test_phase_one_in_column_chunks_on_a_gpu cover a GPU")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_TILES)
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_CHUNKS)
 @pytest.mark.parametrize("d", [80, 64, 96])
-def test_phase_one_on_split_rows(d, nan_empty):
-    """Phase 1 holds a row as a head tile and a tail tile (depth_kernels.launch.row_split): at d = 80 under the
-    interpreter, 64 lanes + a 32-lane tail over columns 48..79 whose first 16 (the head's) are masked off; at
-    96 an exact 64 + 32; at 64 one tile. Every input and gradient as the reference's."""
-    from depth_kernels import group_read
+def test_phase_one_in_column_chunks(d, nan_empty):
+    """Phase 1's backward takes a row in column chunks, a program per chunk, whose shares of the logits are summed
+    before any is used: at d = 80 under the interpreter a chunk of 64 and one of 16 (48 columns masked), at 96 one
+    of 64 and one of 32, at 64 one chunk. Every input and gradient as the reference's."""
+    from depth_kernels import group_backward
     from depth_kernels.launch import row_split
-    assert group_read._group_config(d, backward=True)["BLOCK_T"] == {80: 32, 64: 0, 96: 32}[d]
+    config = group_backward.backward_config(d)
+    assert (config["CHUNK"], config["NC"]) == (64, {80: 2, 64: 1, 96: 2}[d])
     assert row_split(1280, 512) == (1024, 512) and row_split(768, 512) == (1024, 0)
     assert row_split(2048, 512) == (2048, 0)
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, d)
 
 
-def test_phase_one_splits_rows_as_a_gpu_does(monkeypatch):
-    """On a GPU phase 1's backward holds a row split with a tail of at least two lanes per thread (512 on its 8
-    warps): the paper's d = 1280 is 1024 + 512 lanes, d = 80 and 96 one tile of 128 lanes, 768 one of 1024 (a tail
-    of 512 would not save lanes). The forward takes rows to d = 1280 on tensor cores in chunks of 256 or 512
-    columns (64 or 128 a warp), none masked at the paper's widths, and wider ones a row per program, split as the
-    backward's."""
-    group_read, receiver_read = gpu_configs(monkeypatch)
-    split = group_read._group_config(1280, backward=True)
-    assert (split["BLOCK_D"], split["BLOCK_T"]) == (1024, 512), split
-    for d, whole in ((80, 128), (96, 128), (768, 1024)):
-        one = group_read._group_config(d, backward=True)
-        assert (one["BLOCK_D"], one["BLOCK_T"]) == (whole, 0), (d, one)
+def test_phase_one_chunks_rows_as_a_gpu_does(monkeypatch):
+    """On a GPU phase 1's backward takes a row in chunks of 512 columns where they divide it, else 256 (64 or 128
+    a warp: 128-bit loads), none masked at the paper's widths; its forward takes rows to d = 1280 on tensor cores in
+    chunks of 256 or 512 columns, none masked, and wider ones a row per program, split (depth_kernels.launch.row_split)
+    with a tail of at least two lanes a thread."""
+    group_read, group_backward, receiver_read = gpu_configs(monkeypatch)
+    for d, chunk in ((768, 256), (1024, 512), (1280, 256), (2048, 512), (4096, 512), (80, 256)):
+        cfg = group_backward.backward_config(d)
+        assert (cfg["CHUNK"], cfg["NC"]) == (chunk, -(-d // chunk)) and not cfg["F32_DOT"], (d, cfg)
+        assert d == 80 or cfg["BLOCK_D"] == d, (d, cfg)
     for d in (768, 1024, 1280):
         kernel, cfg = group_read._forward_config(d)
         assert kernel is group_read._group_fwd and cfg["BLOCK_D"] == d and cfg["CHUNK"] // cfg["W"] >= 64, (d, cfg)
@@ -371,11 +357,11 @@ def test_phase_one_splits_rows_as_a_gpu_does(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter's form is "
-                    "test_phase_one_on_split_rows (at d = 1280 the interpreter takes minutes)")
-def test_phase_one_on_split_rows_on_a_gpu(nan_empty):
-    """The split rows a GPU runs: d = 1280 as 1024 + 512 lanes. Every input and gradient as the reference's."""
-    from depth_kernels import group_read
-    assert group_read._group_config(1280, backward=True)["BLOCK_T"] == 512
+                    "test_phase_one_in_column_chunks (at d = 1280 the interpreter takes minutes)")
+def test_phase_one_in_column_chunks_on_a_gpu(nan_empty):
+    """The chunks a GPU runs: d = 1280 as 5 chunks of 256 columns. Every input and gradient as the reference's."""
+    from depth_kernels import group_backward
+    assert group_backward.backward_config(1280)["NC"] == 5
     assert_grouped_matches_reference(("delta", {"null_source": True}, 5, {"gate": True}), 0.3, 1280)
 
 
