@@ -11,15 +11,17 @@ per receiver:
     du = W S                                                          (R x d: K = C)
 
 The first line needs whole rows (a dot over d), the others none: so two kernels, each a program per column chunk
-of CHUNK columns and a share of the token rows (persistent: rows rp, rp + P, ...), so that a program holds only
-its chunk of U and of its du, in registers, whatever d is, and the grid fills every SM several times over:
+of CHUNK = 256 columns and a share of the token rows (persistent: rows rp, rp + P, ...), so that a program holds only
+its chunk of U and of its du, whatever d is. A program walks (row, block of CB = 16 sources) pairs in one loop, so
+that its software pipeline loads the next rows' blocks while one is worked on (a Delta Block row has a block or two):
 
-- `_group_logits`: per row and block of CB = 16 sources, the chunk's share of Z, G and the sources' squares
-  (each chunk of a warp's columns one batched product, as group_tiles does for the forward), stored per chunk
-  (a (NC, M, 2R + 1, C) fp32 buffer: 68 bytes per source row and chunk, 2.7 % of a bf16 row's at d = 1280);
-- `_group_bwd`: per row and block, the chunks' shares summed into Z, G and rstd; A, W and shrink; then
-  dS^T = [U; Go]^T [W; A] (the receivers' two rows interleaved: one K = 16 product) less shrink S, added into
-  the sources' gradient accumulators, and du^T += S^T W^T.
+- `_group_logits`: per step, the chunk's share of Z, G and the sources' squares (each warp's slice of the chunk
+  one batched product, as group_tiles does for the forward), stored per chunk (a (NC, M, 2R + 1, cp) fp32 buffer,
+  each dtype's run from a 16-aligned column: 68 bytes per source row and chunk, 2.7 % of a bf16 row's at d = 1280);
+- `_group_bwd`: per step, the chunks' shares summed into Z, G and rstd; A, W and shrink; then dS^T = [U; Go]^T
+  [W; A] (the receivers' two rows interleaved: one K = 16 product) less shrink S, added into the sources' gradient
+  accumulators, and du^T += S^T W^T. The next step's Go chunk and accumulators are read by hand while this one is
+  worked on: the pipeline stages only loads whose values feed products.
 
 Precision: the products take 16-bit operands and accumulate in fp32. A bf16 source is exact in one part; fp32 and
 fp16 sources are split into three bf16 parts whose sum they are (8 + 8 + 8 bits), as are U and Go for Z and G,
@@ -41,9 +43,13 @@ from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget
 
 R_BLOCK = 8     # receivers a pass: [U; Go] is 16 rows, the K of dS's product
-# Programs per SM each kernel is built for (meters/aot.py checks registers against it): a program holds a chunk
-# of 256 columns of 8 receivers' U, Go and du (a few KB) and pipelines blocks of 16 source chunks.
-PROGRAMS_PER_SM = {"_group_logits": 4, "_group_bwd": 3}
+CHUNK = 256     # columns a program takes (64 a warp on 4: 128-bit loads); 512 spills
+# Each kernel's warps and programs per SM (meters/aot.py checks registers and shared memory against them): both
+# need some 200 registers a thread at 4 warps (their small tiles, (R, CB) and the block's addresses, are held by every
+# thread, and every element of a (CHUNK, CB) tile has its 64-bit address), so _group_logits runs two programs of
+# 4 warps and _group_bwd, which also holds the next step's Go chunk and accumulators, one of 8 (two spill).
+WARPS = {"_group_logits": 4, "_group_bwd": 8}
+PROGRAMS_PER_SM = {"_group_logits": 2, "_group_bwd": 1}
 
 
 @triton.jit
@@ -77,34 +83,56 @@ def source_parts(s, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _logits_block(addresses, lo, hi, start, c, u, go, part, C, d, DTYPE: tl.constexpr, CB: tl.constexpr,
-                  CHUNK: tl.constexpr, W: tl.constexpr, F32_DOT: tl.constexpr):
-    """Chunk c's share of Z, G ((R, CB) each) and the squares (CB,) of sources lo .. lo + CB (those < hi) at one
-    row, stored at part (rows 0..R-1: Z, R..2R-1: G, 2R: squares; C apart)."""
+def _step(it, blocks, first, M, NC: tl.constexpr, CB: tl.constexpr):
+    """Step `it` of a program's walk over (token row, block of CB sources) pairs, rows program_id // NC, +
+    num_programs // NC, ... and blocks from source `first`: the row (past the last: M - 1, read and not written),
+    whether it is real, and the block's first source. One loop over the pairs, not a loop over blocks in a loop over
+    rows, so that its software pipeline loads the next rows' blocks while one is worked on (a row of Delta Block
+    has a block or two)."""
+    k = it // tl.maximum(blocks, 1)            # (a run of no sources: no steps, but its first rows are prefetched)
+    row = tl.program_id(0) // NC + k * (tl.num_programs(0) // NC)
+    return tl.minimum(row, M - 1), row < M, first + (it - k * blocks) * CB
+
+
+@triton.jit
+def _logits_step(addresses, it, blocks, first, hi, base, c, u, go_at, go_ok, go_ptr, part_ptr, M, cp, d,
+                 DTYPE: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
+                 F32_DOT: tl.constexpr):
+    """Chunk c's share of Z, G ((R, CB) each) and the squares (CB,) of one step's sources (those < hi) at its row,
+    stored at the row's part (rows 0..R-1: Z, R..2R-1: G, 2R: the squares; cp apart), the run's source first at
+    column base (see _group_logits): whole blocks of 16 aligned columns, stored unmasked (a block's columns past hi
+    are the run's padding)."""
     R: tl.constexpr = u[0].shape[1]
-    ptrs, ok = source_block(addresses, lo, lo, hi, DTYPE, CB)
+    row, live, lo = _step(it, blocks, first, M, NC, CB)
+    start = row * d.to(tl.int64)
+    go = parts(tl.load(go_ptr + start + go_at, mask=go_ok, other=0.0).to(tl.float32), 3)
+    ptrs, _ = source_block(addresses, lo, lo, hi, DTYPE, CB)
     s = load_chunk(ptrs, start, c, d, CHUNK, W)                              # (W, CHUNK // W, CB)
     sp = source_parts(s, DTYPE)
     z = tl.sum(dot_parts(u, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
     g = tl.sum(dot_parts(go, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
     x = s.to(tl.float32)
     squares = tl.sum(tl.sum(x * x, axis=1), axis=0)
-    i = lo + tl.arange(0, CB)
+    part = part_ptr + (c.to(tl.int64) * M + row) * (2 * R + 1) * cp
+    i = tl.multiple_of(base + lo - first, CB) + tl.arange(0, CB)
     r = tl.arange(0, R)[:, None]
-    tl.store(part + r * C + i[None, :], z, mask=ok[None, :])
-    tl.store(part + (R + r) * C + i[None, :], g, mask=ok[None, :])
-    tl.store(part + 2 * R * C + i, squares, mask=ok)
+    tl.store(part + r * cp + i[None, :], z, mask=live)
+    tl.store(part + (R + r) * cp + i[None, :], g, mask=live)
+    tl.store(part + 2 * R * cp + i, squares, mask=live)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
-def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_ptr, M, d,
-                  A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, C_MAX: tl.constexpr,
-                  BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
-                  STAGES: tl.constexpr, F32_DOT: tl.constexpr):
-    """Per column chunk c = program_id % NC and token rows program_id // NC, + num_programs // NC, ...: the chunk's
-    share of Z = U S^T (unscaled), G = Go S^T and the squares, for receivers r0 + [0, R) (those < n_recv), into
-    part_ptr (NC, M, 2R + 1, C) with C = n_a + n_b. U's and each row's Go's chunk as three bf16 parts, (W, R, CHUNK
-    // W) tiles; sources in blocks of CB, a pipeline STAGES // CB blocks deep. BLOCK_D = NC CHUNK."""
+@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "row_steps", "a_blocks", "b_blocks"])
+def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_ptr, cp, b_base, M, d, row_steps,
+                  a_blocks, b_blocks, A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                  C_MAX: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr,
+                  W: tl.constexpr, STAGES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Per column chunk c = program_id % NC and token rows program_id // NC, + num_programs // NC, ... (row_steps
+    of them, the last perhaps past M): the chunk's share of Z = U S^T (unscaled), G = Go S^T and the squares, for
+    receivers r0 + [0, R) (those < n_recv), into part_ptr (NC, M, 2R + 1, cp): source i < n_a at column i, source
+    i >= n_a at b_base + i - n_a (each run from a multiple of 16: a block's 16 columns are 64-byte aligned, moved in
+    128-bit transfers). U's and each row's Go's chunk in three bf16 parts, (W, R, CHUNK // W) tiles; sources in
+    blocks of CB (a_blocks, b_blocks a row for the two dtypes' runs), a pipeline STAGES // CB steps deep. BLOCK_D
+    = NC CHUNK."""
     c = tl.program_id(0) % NC
     C = n_a + n_b
     recv = r0 + tl.arange(0, R)
@@ -115,32 +143,33 @@ def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_
     cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))                     # (W, 1, CHUNK // W)
     go_at = recv[None, :, None].to(tl.int64) * slab + cols
     go_ok = recv_ok[None, :, None] & (cols < d)
-    for row in tl.range(tl.program_id(0) // NC, M, tl.num_programs(0) // NC):
-        start = row * d.to(tl.int64)
-        go = parts(tl.load(go_ptr + start + go_at, mask=go_ok, other=0.0).to(tl.float32), 3)
-        part = part_ptr + ((c * M + row) * (2 * R + 1)).to(tl.int64) * C
-        for a in tl.range(0, n_a, CB, num_stages=STAGES // CB):             # a loop per dtype: tiles.fold_source
-            _logits_block(addresses, a, n_a, start, c, u, go, part, C, d, A_DTYPE, CB, CHUNK, W, F32_DOT)
-        for b in tl.range(n_a, n_a + n_b, CB, num_stages=STAGES // CB):
-            _logits_block(addresses, b, C, start, c, u, go, part, C, d, B_DTYPE, CB, CHUNK, W, F32_DOT)
+    for it in tl.range(0, row_steps * a_blocks, num_stages=STAGES // CB):     # a loop per dtype: tiles.fold_source
+        _logits_step(addresses, it, a_blocks, 0, n_a, 0, c, u, go_at, go_ok, go_ptr, part_ptr, M, cp, d, A_DTYPE,
+                     CB, CHUNK, NC, W, F32_DOT)
+    for it in tl.range(0, row_steps * b_blocks, num_stages=STAGES // CB):
+        _logits_step(addresses, it, b_blocks, n_a, C, b_base, c, u, go_at, go_ok, go_ptr, part_ptr, M, cp, d,
+                     B_DTYPE, CB, CHUNK, NC, W, F32_DOT)
 
 
 @triton.jit
-def _coefficients(part, lo, hi, D, lse, M, C, d, eps, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr):
+def _coefficients(part, lo, hi, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr,
+                  NC_P2: tl.constexpr):
     """Sources lo .. lo + CB (those < hi) at one row, from the chunks' shares at part (chunk 0's; the next chunk's
-    M (2R + 1) C further): Q = [W; A] interleaved per receiver ((2R, CB): rows 2r, 2r + 1 multiply U_r and Go_r),
-    W^T (CB, R), shrink (CB,) and which sources are real."""
-    i = lo + tl.arange(0, CB)
-    ok = i < hi
+    M (2R + 1) cp further), columns j .. j + CB (loaded whole: aligned blocks, padding past hi): Q = [W; A]
+    interleaved per receiver ((2R, CB): rows 2r, 2r + 1 multiply U_r and Go_r), W^T (CB, R) and shrink (CB,)."""
+    ok = lo + tl.arange(0, CB) < hi
+    i = tl.multiple_of(j, CB) + tl.arange(0, CB)
     r = tl.arange(0, R)[:, None]
-    z = tl.zeros((R, CB), tl.float32)
-    g = tl.zeros((R, CB), tl.float32)
-    squares = tl.zeros((CB,), tl.float32)
-    for k in tl.static_range(NC):
-        at = part + C.to(tl.int64) * (2 * R + 1) * M * k
-        z += tl.load(at + r * C + i[None, :], mask=ok[None, :], other=0.0)
-        g += tl.load(at + (R + r) * C + i[None, :], mask=ok[None, :], other=0.0)
-        squares += tl.load(at + 2 * R * C + i, mask=ok, other=0.0)
+    k = tl.arange(0, NC_P2)[:, None, None]                  # the chunks' shares: one (NC_P2, R, CB) tile each
+    at = part + k.to(tl.int64) * M * (2 * R + 1) * cp + r[None, :, :] * cp + i[None, None, :]
+    z = tl.sum(tl.load(at, mask=k < NC, other=0.0), axis=0)
+    g = tl.sum(tl.load(at + R * cp, mask=k < NC, other=0.0), axis=0)
+    k = tl.arange(0, NC_P2)[:, None]
+    at = part + k.to(tl.int64) * M * (2 * R + 1) * cp + 2 * R * cp + i[None, :]
+    squares = tl.sum(tl.load(at, mask=k < NC, other=0.0), axis=0)
+    z = tl.where(ok[None, :], z, 0.0)
+    g = tl.where(ok[None, :], g, 0.0)
+    squares = tl.where(ok, squares, 0.0)
     rstd = tl.rsqrt(squares / d + eps)[None, :]
     z = z * rstd
     a = tl.where(ok[None, :], tl.exp(z - lse[:, None]), 0.0)     # 0 for receivers past the last (lse = inf)
@@ -151,35 +180,56 @@ def _coefficients(part, lo, hi, D, lse, M, C, d, eps, R: tl.constexpr, CB: tl.co
 
 
 @triton.jit
-def _grad_block(addresses, lo, hi, start, cols, v, du, part, grad_ptr, grad_off, slab, accumulate, D, lse, M, C, d,
-                eps, DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr,
-                F32_DOT: tl.constexpr):
-    """Sources lo .. lo + CB (those < hi) at one row and column chunk (cols, (CHUNK,)): dS added into (or written
-    to) their accumulators, grad_ptr slots grad_off + i; du^T ((CHUNK, R)) returned with S^T W^T added."""
-    q, wt, shrink = _coefficients(part, lo, hi, D, lse, M, C, d, eps, R, CB, NC)
-    ptrs, ok = source_block(addresses, lo, lo, hi, DTYPE, CB)
+def _grad_rows(it, blocks, first, hi, cols, go_at, ok, go_ptr, grad_ptr, grad_off, slab, accumulate, M, d,
+               NC: tl.constexpr, CB: tl.constexpr):
+    """What step `it` reads that the software pipeline does not stage (its consumers are no products): the row's
+    Go^T chunk ((CHUNK, R) fp32) and the sources' accumulators ((CHUNK, CB) fp32; 0 unless accumulate), with where
+    they go. The loop asks for the next step's while it works on this one (a prefetch by hand)."""
+    row, live, lo = _step(it, blocks, first, M, NC, CB)
+    start = row * d.to(tl.int64)
+    got = tl.load(go_ptr + start + go_at, mask=ok, other=0.0).to(tl.float32)
+    at = grad_ptr + ((grad_off + lo + tl.arange(0, CB)).to(tl.int64) * slab + start)[None, :] + cols[:, None]
+    mask = (cols < d)[:, None] & ((lo + tl.arange(0, CB) < hi) & live)[None, :]
+    old = tl.load(at, mask=mask & (accumulate != 0), other=0.0).to(tl.float32)
+    return got, old
+
+
+@triton.jit
+def _grad_step(addresses, it, blocks, first, hi, base, cols, ut, got, old, du, D_ptr, lse_ptr, part_ptr, grad_ptr,
+               grad_off, slab, recv, recv_ok, M, cp, d, eps, DTYPE: tl.constexpr, R: tl.constexpr,
+               CB: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr, F32_DOT: tl.constexpr):
+    """One step's sources (those < hi) at its row and column chunk (cols, (CHUNK,)), with the row's Go^T chunk and
+    the accumulators' old values (_grad_rows): dS added to them and stored (grad_ptr slots grad_off + i); du^T
+    ((CHUNK, R)) returned with S^T W^T added."""
+    row, live, lo = _step(it, blocks, first, M, NC, CB)
+    start = row * d.to(tl.int64)
+    v = parts(tl.reshape(tl.join(ut, got), (ut.shape[0], 2 * R)), 2)          # (CHUNK, 2R): U_r, Go_r interleaved
+    D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)
+    lse = tl.load(lse_ptr + recv * M + row, mask=recv_ok & live, other=float("inf"))   # inf: no weight
+    part = part_ptr + cp.to(tl.int64) * (2 * R + 1) * row
+    q, wt, shrink = _coefficients(part, lo, hi, base + lo - first, D, lse, M, cp, d, eps, R, CB, NC, NC_P2)
+    ptrs, real = source_block(addresses, lo, lo, hi, DTYPE, CB)
     mask = (cols < d)[:, None]
     s = tl.load((ptrs + start)[None, :] + cols[:, None], mask=mask, other=0.0)   # (CHUNK, CB): S^T
-    ds = dot_parts(v, parts(q, 2), -s.to(tl.float32) * shrink[None, :], 2, F32_DOT)
+    ds = dot_parts(v, parts(q, 2), old - s.to(tl.float32) * shrink[None, :], 2, F32_DOT)
     du = dot_parts(source_parts(s, DTYPE), parts(wt, 2), du, 2, F32_DOT)
     at = grad_ptr + ((grad_off + lo + tl.arange(0, CB)).to(tl.int64) * slab + start)[None, :] + cols[:, None]
-    mask = mask & ok[None, :]
-    old = tl.load(at, mask=mask & (accumulate != 0), other=0.0).to(tl.float32)
-    tl.store(at, (ds + old).to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.store(at, ds.to(grad_ptr.dtype.element_ty), mask=mask & (real & live)[None, :])
     return du
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "accumulate"])
-def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, part_ptr, acc_a_ptr, acc_b_ptr,
-               off_a, off_b, du_ptr, accumulate, M, d, eps,
+@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "accumulate", "row_steps", "a_blocks",
+                               "b_blocks"])
+def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, part_ptr, cp, b_base, acc_a_ptr,
+               acc_b_ptr, off_a, off_b, du_ptr, accumulate, M, d, eps, row_steps, a_blocks, b_blocks,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, C_MAX: tl.constexpr,
-               BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, STAGES: tl.constexpr,
-               F32_DOT: tl.constexpr):
-    """Per column chunk c = program_id % NC and token rows program_id // NC, + num_programs // NC, ...: the
-    committed sources' gradients (source i's into slot off_a + i of acc_a, or off_b + i - n_a of acc_b; written or
-    added to) from _group_logits' shares at part_ptr, and the program's partial du (du_ptr (programs // NC, R, d),
-    its chunk of row program_id // NC). [U; Go]^T's chunk in two bf16 parts, U's made once per program. D, lse:
-    (n_recv, M)."""
+               BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr,
+               STAGES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Per column chunk c = program_id % NC and token rows program_id // NC, + num_programs // NC, ... (row_steps
+    of them): the committed sources' gradients (source i's into slot off_a + i of acc_a, or off_b + i - n_a of
+    acc_b; written or added to) from _group_logits' shares at part_ptr, and the program's partial du (du_ptr
+    (programs // NC, R, d), its chunk of row program_id // NC). U^T's chunk made once per program; [U; Go]^T in
+    two bf16 parts a step. D, lse: (n_recv, M)."""
     c = tl.program_id(0) % NC
     C = n_a + n_b
     recv = r0 + tl.arange(0, R)
@@ -192,40 +242,52 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
     ut = tl.load(q_ptr + at, mask=ok, other=0.0).to(tl.float32) * tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
     go_at = recv[None, :].to(tl.int64) * slab + cols[:, None]
     du = tl.zeros((CHUNK, R), tl.float32)
-    for row in tl.range(tl.program_id(0) // NC, M, tl.num_programs(0) // NC):
-        start = row * d.to(tl.int64)
-        got = tl.load(go_ptr + start + go_at, mask=ok, other=0.0).to(tl.float32)
-        v = parts(tl.reshape(tl.join(ut, got), (CHUNK, 2 * R)), 2)             # (CHUNK, 2R): U_r, Go_r interleaved
-        D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)
-        lse = tl.load(lse_ptr + recv * M + row, mask=recv_ok, other=float("inf"))
-        part = part_ptr + C.to(tl.int64) * (2 * R + 1) * row
-        for a in tl.range(0, n_a, CB, num_stages=STAGES // CB):             # a loop per dtype: tiles.fold_source
-            du = _grad_block(addresses, a, n_a, start, cols, v, du, part, acc_a_ptr, off_a, slab, accumulate, D, lse,
-                             M, C, d, eps, A_DTYPE, R, CB, NC, F32_DOT)
-        for b in tl.range(n_a, n_a + n_b, CB, num_stages=STAGES // CB):
-            du = _grad_block(addresses, b, C, start, cols, v, du, part, acc_b_ptr, off_b - n_a, slab, accumulate, D,
-                             lse, M, C, d, eps, B_DTYPE, R, CB, NC, F32_DOT)
+    # a loop per dtype (tiles.fold_source), each step with the next one's rows in flight (_grad_rows)
+    steps = row_steps * a_blocks
+    got, old = _grad_rows(0, a_blocks, 0, n_a, cols, go_at, ok, go_ptr, acc_a_ptr, off_a, slab, accumulate, M, d, NC,
+                          CB)
+    for it in tl.range(0, row_steps * a_blocks, num_stages=STAGES // CB):
+        ahead = _grad_rows(tl.minimum(it + 1, steps - 1), a_blocks, 0, n_a, cols, go_at, ok, go_ptr, acc_a_ptr, off_a,
+                           slab, accumulate, M, d, NC, CB)
+        du = _grad_step(addresses, it, a_blocks, 0, n_a, 0, cols, ut, got, old, du, D_ptr, lse_ptr, part_ptr,
+                        acc_a_ptr, off_a, slab, recv, recv_ok, M, cp, d, eps, A_DTYPE, R, CB, NC, NC_P2, F32_DOT)
+        got, old = ahead
+    steps = row_steps * b_blocks
+    got, old = _grad_rows(0, b_blocks, n_a, C, cols, go_at, ok, go_ptr, acc_b_ptr, off_b - n_a, slab, accumulate, M, d,
+                          NC, CB)
+    for it in tl.range(0, row_steps * b_blocks, num_stages=STAGES // CB):
+        ahead = _grad_rows(tl.minimum(it + 1, steps - 1), b_blocks, n_a, C, cols, go_at, ok, go_ptr, acc_b_ptr,
+                           off_b - n_a, slab, accumulate, M, d, NC, CB)
+        du = _grad_step(addresses, it, b_blocks, n_a, C, b_base, cols, ut, got, old, du, D_ptr, lse_ptr, part_ptr,
+                        acc_b_ptr, off_b - n_a, slab, recv, recv_ok, M, cp, d, eps, B_DTYPE, R, CB, NC, NC_P2,
+                        F32_DOT)
+        got, old = ahead
     out = du_ptr + (tl.program_id(0) // NC * R * d).to(tl.int64) + tl.arange(0, R)[None, :] * d + cols[:, None]
     tl.store(out, du, mask=(cols < d)[:, None])
 
 
 # ------------------------------------------------------------------------------------------ launching
 
-def _registers(kernel: str) -> int:
-    """The kernel's register limit on 4 warps, a multiple of 8 (ptxas allocates 8 a thread at a time: 170 would
-    take 176 and let 2 programs share an SM, not 3)."""
-    return register_budget(4, PROGRAMS_PER_SM[kernel]) // 8 * 8
+def _options(kernel: str) -> dict:
+    """The kernel's warps and register limit, a multiple of 8 (ptxas allocates 8 a thread at a time: 170 would
+    take 176 and let 2 programs of 4 warps share an SM, not 3)."""
+    warps = WARPS[kernel]
+    return dict(num_warps=warps, maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]) // 8 * 8)
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def backward_config(d: int) -> dict:
     """Both kernels' tiles at width d: R = 8 receivers a pass, blocks of CB = 16 sources (tl.dot's K >= 16 for du),
-    chunks of CHUNK = 256 columns (512 where they divide d; 64 a warp: 128-bit loads) on 4 warps, STAGES = 32
-    source chunks in flight (two blocks); the interpreter takes chunks of 64 and fp32 products (F32_DOT)."""
-    chunk = 64 if interpreting() else 512 if d % 512 == 0 else 256
+    chunks of CHUNK columns, STAGES = 32 source chunks in flight (two blocks); the interpreter takes chunks of 64
+    and fp32 products (F32_DOT)."""
+    chunk = 64 if interpreting() else CHUNK
     nc = cdiv(d, chunk)
-    return dict(R=R_BLOCK, CB=16, BLOCK_D=chunk * nc, CHUNK=chunk, NC=nc, STAGES=32, F32_DOT=interpreting(),
-                num_warps=4, maxnreg=_registers("_group_bwd"))   # (the logits': its own)
+    return dict(R=R_BLOCK, CB=16, BLOCK_D=chunk * nc, CHUNK=chunk, NC=nc, STAGES=32, F32_DOT=interpreting())
+
+
+def _bwd_only(d: int) -> dict:
+    """_group_bwd's own constexpr: the chunks' count rounded up to a power of two (one tile of their shares)."""
+    return dict(NC_P2=triton.next_power_of_2(backward_config(d)["NC"]))
 
 
 def _rows_per_chunk(M: int, nc: int, kernel: str, device: torch.device) -> int:
@@ -253,22 +315,27 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     C, nc, n_recv = len(table.tensors), cfg["NC"], queries.shape[0]
     logits_rows, bwd_rows = (_rows_per_chunk(M, nc, kernel, first.device) for kernel in PROGRAMS_PER_SM)
     cfg = dict(cfg, C_MAX=max(16, triton.next_power_of_2(C)), **table.dtype_args())
-    part = torch.empty(nc, M, 2 * R_BLOCK + 1, C, dtype=torch.float32, device=first.device)
+    b_base = cdiv(table.n_a, cfg["CB"]) * cfg["CB"]         # each run's shares from a 16-aligned column
+    cp = b_base + cdiv(C - table.n_a, cfg["CB"]) * cfg["CB"]
+    part = torch.empty(nc, M, 2 * R_BLOCK + 1, cp, dtype=torch.float32, device=first.device)
     du = torch.empty(cdiv(n_recv, R_BLOCK), bwd_rows, R_BLOCK, d, dtype=torch.float32, device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
     n_a, n_b = table.n_a, C - table.n_a
     grads = [acc_a[off_a:off_a + n_a, :first.numel()], acc_b[off_b:off_b + n_b, :first.numel()]]
     common = dict(table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, n_recv=n_recv,
-                  go_ptr=go, slab=go.shape[1], part_ptr=part, M=M, d=d, **cfg)
+                  go_ptr=go, slab=go.shape[1], part_ptr=part, cp=cp, b_base=b_base, M=M, d=d,
+                  a_blocks=cdiv(n_a, cfg["CB"]), b_blocks=cdiv(n_b, cfg["CB"]), **cfg)
     for k, r0 in enumerate(range(0, n_recv, R_BLOCK)):     # receivers beyond R: the sources are read again
         chunk = min(R_BLOCK, n_recv - r0)
         inputs = [(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1),
                   (go[r0:r0 + chunk, :first.numel()], 1)]
         launch(_group_logits, nc * logits_rows, lambda: (inputs, [part]), first.device,
-               dict(common, r0=r0, W=4, maxnreg=_registers("_group_logits")))
+               dict(common, r0=r0, W=WARPS["_group_logits"], row_steps=cdiv(M, logits_rows),
+                    **_options("_group_logits")))
         io = lambda: (inputs + [(part, 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]   # noqa: E731
                       + [(g, 1) for g in grads if accumulate or k], grads + [du[k]])
         launch(_group_bwd, nc * bwd_rows, io, first.device, dict(
             common, r0=r0, D_ptr=D, lse_ptr=lse, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b,
-            du_ptr=du[k], accumulate=int(accumulate or k > 0), eps=eps))
+            du_ptr=du[k], accumulate=int(accumulate or k > 0), eps=eps, row_steps=cdiv(M, bwd_rows),
+            **_bwd_only(d), **_options("_group_bwd")))
     return du.sum(1).flatten(0, 1)[:n_recv]

@@ -34,7 +34,7 @@ MIN_IN_FLIGHT = 16 * 1024   # bytes per SM the checks ask for: 3.35 TB/s x 600 n
 MAX_MASKED = 0.20           # the checks' bound on lanes that compute nothing
 PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM,
                    **receiver_read.PROGRAMS_PER_SM}
-ONE_ROW = ("_group_fwd", "_group_logits", "_group_bwd")   # a token row at a time (the receivers' rows are what they hold)
+ONE_ROW = ("_group_fwd", "_group_logits", "_group_bwd")   # a token row at a time (their receivers' rows they hold)
 
 
 @dataclass

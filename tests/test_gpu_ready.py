@@ -75,7 +75,7 @@ def test_every_model_specialisation_streams_at_the_paper_widths(compiled):
     assert sorted(map(int, results)) == [768, 1024, 1280, 2048, 4096]
     for d, kernels in results.items():
         names = {k["name"].split()[0] for k in kernels}
-        assert {"_route_fwd", "_route_bwd", "_group_bwd", "_receiver_fwd", "_receiver_bwd"} <= names
+        assert {"_route_fwd", "_route_bwd", "_group_logits", "_group_bwd", "_receiver_fwd", "_receiver_bwd"} <= names
         assert ("_group_fwd" if int(d) <= 1280 else "_group_fwd_rows") in names, d   # tensor cores to 1280
         for k in kernels:
             assert k["problems"] == [], (d, k["name"], k["problems"])

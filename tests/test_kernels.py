@@ -318,8 +318,8 @@ def gpu_configs(monkeypatch):
     return group_read, group_backward, receiver_read
 
 
-INTERPRETER_CHUNKS = ("the interpreter's column chunks (64 columns: d = 80 and 96 are a chunk and a partly masked one); a "
-                      "GPU takes 256 or 512, so they are one chunk there: test_phase_one_chunks_rows_as_a_gpu_does and "
+INTERPRETER_CHUNKS = ("the interpreter's column chunks (64 columns: d = 80 and 96 are a chunk and one partly masked); "
+                      "a GPU takes 256, so they are one chunk there: test_phase_one_chunks_rows_as_a_gpu_does and "
                       "test_phase_one_in_column_chunks_on_a_gpu cover a GPU")
 
 
@@ -339,14 +339,14 @@ def test_phase_one_in_column_chunks(d, nan_empty):
 
 
 def test_phase_one_chunks_rows_as_a_gpu_does(monkeypatch):
-    """On a GPU phase 1's backward takes a row in chunks of 512 columns where they divide it, else 256 (64 or 128
-    a warp: 128-bit loads), none masked at the paper's widths; its forward takes rows to d = 1280 on tensor cores in
-    chunks of 256 or 512 columns, none masked, and wider ones a row per program, split (depth_kernels.launch.row_split)
-    with a tail of at least two lanes a thread."""
+    """On a GPU phase 1's backward takes a row in chunks of 256 columns (64 a warp on 4 warps: 128-bit loads), none
+    masked at the paper's widths; its forward takes rows to d = 1280 on tensor cores in chunks of 256 or 512 columns,
+    none masked, and wider ones a row per program, split (depth_kernels.launch.row_split) with a tail of at least two
+    lanes a thread."""
     group_read, group_backward, receiver_read = gpu_configs(monkeypatch)
-    for d, chunk in ((768, 256), (1024, 512), (1280, 256), (2048, 512), (4096, 512), (80, 256)):
+    for d in (768, 1024, 1280, 2048, 4096, 80):
         cfg = group_backward.backward_config(d)
-        assert (cfg["CHUNK"], cfg["NC"]) == (chunk, -(-d // chunk)) and not cfg["F32_DOT"], (d, cfg)
+        assert (cfg["CHUNK"], cfg["NC"]) == (256, -(-d // 256)) and not cfg["F32_DOT"], (d, cfg)
         assert d == 80 or cfg["BLOCK_D"] == d, (d, cfg)
     for d in (768, 1024, 1280):
         kernel, cfg = group_read._forward_config(d)
