@@ -10,16 +10,18 @@ per receiver:
     dS = A^T Go + W^T U - shrink S,  shrink_i = rstd_i / d sum_r W_ri Z_ri        (C x d: K = R + R = 16)
     du = W S                                                          (R x d: K = C)
 
-The first line needs whole rows (a dot over d), the others none: so two kernels, each a program per column chunk
+The first line needs whole rows (a dot over d), the others none: so the products run in programs per column chunk
 of CHUNK = 256 columns and a share of the token rows (persistent: rows rp, rp + P, ...), so that a program holds only
-its chunk of U and of its du, whatever d is. A program walks (row, block of CB = 16 sources) pairs in one loop, so
-that its software pipeline loads the next rows' blocks while one is worked on (a Delta Block row has a block or two):
+its chunk of U and of its du, whatever d is, and the per-row scalars between them in a small kernel of their own.
+A chunk's program walks (row, block of CB = 16 sources) pairs in one loop, so that its software pipeline loads the
+next rows' blocks while one is worked on (a Delta Block row has a block or two):
 
 - `_group_logits`: per step, the chunk's share of Z, G and the sources' squares (each warp's slice of the chunk
   one batched product, as group_tiles does for the forward), stored per chunk (a (NC, M, 2R + 1, cp) fp32 buffer,
   each dtype's run from a 16-aligned column: 68 bytes per source row and chunk, 2.7 % of a bf16 row's at d = 1280);
-- `_group_bwd`: per step, the chunks' shares summed into Z, G and rstd; A, W and shrink; then dS^T = [U; Go]^T
-  [W; A] (the receivers' two rows interleaved: one K = 16 product) less shrink S, added into the sources' gradient
+- `_group_weights`: per row and block, the chunks' shares summed into Z, G and rstd, and A, W and shrink made into
+  Q = [W; A] (the receivers' two rows interleaved), W^T and shrink (1.6 KB a row and block);
+- `_group_bwd`: per step, dS^T = [U; Go]^T Q (one K = 16 product) less shrink S, added into the sources' gradient
   accumulators, and du^T += S^T W^T. The next step's Go chunk and accumulators are read by hand while this one is
   worked on: the pipeline stages only loads whose values feed products.
 
@@ -40,16 +42,17 @@ from torch import Tensor
 
 from depth_kernels.group_tiles import chunk_cols, load_chunk, mma, queries_chunk, source_block
 from depth_kernels.interpreter import interpreting
-from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget
+from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch
 
 R_BLOCK = 8     # receivers a pass: [U; Go] is 16 rows, the K of dS's product
 CHUNK = 256     # columns a program takes (64 a warp on 4: 128-bit loads); 512 spills
-# Each kernel's warps and programs per SM (meters/aot.py checks registers and shared memory against them): both
-# need some 200 registers a thread at 4 warps (their small tiles, (R, CB) and the block's addresses, are held by every
-# thread, and every element of a (CHUNK, CB) tile has its 64-bit address), so _group_logits runs two programs of
-# 4 warps and _group_bwd, which also holds the next step's Go chunk and accumulators, one of 8 (two spill).
-WARPS = {"_group_logits": 4, "_group_bwd": 8}
-PROGRAMS_PER_SM = {"_group_logits": 2, "_group_bwd": 1}
+# Each kernel's warps and programs per SM (meters/aot.py checks registers and shared memory against them): the
+# logits' and gradients' kernels need some 200 registers a thread (their small tiles, (R, CB) and the block's
+# addresses, are held by every thread, and every element of a (CHUNK, CB) tile has its 64-bit address), so
+# _group_logits runs two programs of 4 warps and _group_bwd, which also holds the next step's Go chunk and
+# accumulators, one of 8 (two of 4 spill with fp32 sources); _group_weights holds a block's coefficients: four.
+WARPS = {"_group_logits": 4, "_group_weights": 4, "_group_bwd": 8}
+PROGRAMS_PER_SM = {"_group_logits": 2, "_group_weights": 4, "_group_bwd": 1}
 
 
 @triton.jit
@@ -152,12 +155,11 @@ def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_
 
 
 @triton.jit
-def _coefficients(part, lo, hi, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr,
+def _coefficients(part, ok, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr,
                   NC_P2: tl.constexpr):
-    """Sources lo .. lo + CB (those < hi) at one row, from the chunks' shares at part (chunk 0's; the next chunk's
-    M (2R + 1) cp further), columns j .. j + CB (loaded whole: aligned blocks, padding past hi): Q = [W; A]
-    interleaved per receiver ((2R, CB): rows 2r, 2r + 1 multiply U_r and Go_r), W^T (CB, R) and shrink (CB,)."""
-    ok = lo + tl.arange(0, CB) < hi
+    """Columns j .. j + CB of the shares at one row (part: chunk 0's; the next chunk's M (2R + 1) cp further; loaded
+    whole, an aligned block, and only the real sources `ok` kept): Q = [W; A] interleaved per receiver ((2R, CB):
+    rows 2r, 2r + 1 multiply U_r and Go_r), W^T (CB, R) and shrink (CB,)."""
     i = tl.multiple_of(j, CB) + tl.arange(0, CB)
     r = tl.arange(0, R)[:, None]
     k = tl.arange(0, NC_P2)[:, None, None]                  # the chunks' shares: one (NC_P2, R, CB) tile each
@@ -179,6 +181,34 @@ def _coefficients(part, lo, hi, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: t
     return q, tl.trans(w), shrink
 
 
+@triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
+def _group_weights(part_ptr, cp, b_base, n_a, n_b, D_ptr, lse_ptr, r0, n_recv, q_out, w_out, shrink_out, M, d, eps,
+                   R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr,
+                   ROW_STAGES: tl.constexpr):
+    """Each (token row, block of CB share columns), steps program_id, + num_programs, ... (a pipeline ROW_STAGES
+    deep): the chunks' shares summed and made into what _group_bwd multiplies by, in fp32: Q = [W; A] (q_out
+    (M cp / CB, 2R, CB)), W^T (w_out (M cp / CB, CB, R)) and shrink (shrink_out (M cp / CB, CB)). Made once here,
+    not by each of _group_bwd's column chunks: the exponentials, reductions and transposes leave its steps."""
+    recv = r0 + tl.arange(0, R)
+    recv_ok = recv < n_recv
+    blocks = cp // CB
+    for it in tl.range(tl.program_id(0), M * (cp // CB), tl.num_programs(0), num_stages=ROW_STAGES):
+        row = it // blocks
+        j = (it - row * blocks) * CB
+        col = j + tl.arange(0, CB)
+        ok = (col < n_a) | ((col >= b_base) & (col < b_base + n_b))
+        D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)
+        lse = tl.load(lse_ptr + recv * M + row, mask=recv_ok, other=float("inf"))
+        q, wt, shrink = _coefficients(part_ptr + cp.to(tl.int64) * (2 * R + 1) * row, ok, j, D, lse, M, cp, d, eps,
+                                      R, CB, NC, NC_P2)
+        at = row.to(tl.int64) * blocks + j // CB                                  # = it
+        iq = tl.arange(0, 2 * R)[:, None] * CB + tl.arange(0, CB)[None, :]
+        iw = tl.arange(0, CB)[:, None] * R + tl.arange(0, R)[None, :]
+        tl.store(q_out + at * (2 * R * CB) + iq, q)
+        tl.store(w_out + at * (CB * R) + iw, wt)
+        tl.store(shrink_out + at * CB + tl.arange(0, CB), shrink)
+
+
 @triton.jit
 def _grad_rows(it, blocks, first, hi, cols, go_at, ok, go_ptr, grad_ptr, grad_off, slab, accumulate, M, d,
                NC: tl.constexpr, CB: tl.constexpr):
@@ -195,24 +225,27 @@ def _grad_rows(it, blocks, first, hi, cols, go_at, ok, go_ptr, grad_ptr, grad_of
 
 
 @triton.jit
-def _grad_step(addresses, it, blocks, first, hi, base, cols, ut, got, old, du, D_ptr, lse_ptr, part_ptr, grad_ptr,
-               grad_off, slab, recv, recv_ok, M, cp, d, eps, DTYPE: tl.constexpr, R: tl.constexpr,
-               CB: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr, F32_DOT: tl.constexpr):
+def _grad_step(addresses, it, blocks, first, hi, base, cols, ut, got, old, du, q_in, w_in, shrink_in, grad_ptr,
+               grad_off, slab, M, cp, d, DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr,
+               F32_DOT: tl.constexpr):
     """One step's sources (those < hi) at its row and column chunk (cols, (CHUNK,)), with the row's Go^T chunk and
-    the accumulators' old values (_grad_rows): dS added to them and stored (grad_ptr slots grad_off + i); du^T
-    ((CHUNK, R)) returned with S^T W^T added."""
+    the accumulators' old values (_grad_rows) and _group_weights' Q, W^T and shrink: dS added to them and stored
+    (grad_ptr slots grad_off + i); du^T ((CHUNK, R)) returned with S^T W^T added (none for a step past the last
+    row, whose row is another program's)."""
     row, live, lo = _step(it, blocks, first, M, NC, CB)
     start = row * d.to(tl.int64)
     v = parts(tl.reshape(tl.join(ut, got), (ut.shape[0], 2 * R)), 2)          # (CHUNK, 2R): U_r, Go_r interleaved
-    D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)
-    lse = tl.load(lse_ptr + recv * M + row, mask=recv_ok & live, other=float("inf"))   # inf: no weight
-    part = part_ptr + cp.to(tl.int64) * (2 * R + 1) * row
-    q, wt, shrink = _coefficients(part, lo, hi, base + lo - first, D, lse, M, cp, d, eps, R, CB, NC, NC_P2)
+    at = row.to(tl.int64) * (cp // CB) + (base + lo - first) // CB             # the step's block of weights
+    iq = tl.arange(0, 2 * R)[:, None] * CB + tl.arange(0, CB)[None, :]
+    iw = tl.arange(0, CB)[:, None] * R + tl.arange(0, R)[None, :]
+    q = parts(tl.load(q_in + at * (2 * R * CB) + iq), 2)
+    wt = parts(tl.load(w_in + at * (CB * R) + iw, mask=live, other=0.0), 2)
+    shrink = tl.load(shrink_in + at * CB + tl.arange(0, CB))
     ptrs, real = source_block(addresses, lo, lo, hi, DTYPE, CB)
     mask = (cols < d)[:, None]
     s = tl.load((ptrs + start)[None, :] + cols[:, None], mask=mask, other=0.0)   # (CHUNK, CB): S^T
-    ds = dot_parts(v, parts(q, 2), old - s.to(tl.float32) * shrink[None, :], 2, F32_DOT)
-    du = dot_parts(source_parts(s, DTYPE), parts(wt, 2), du, 2, F32_DOT)
+    ds = dot_parts(v, q, old - s.to(tl.float32) * shrink[None, :], 2, F32_DOT)
+    du = dot_parts(source_parts(s, DTYPE), wt, du, 2, F32_DOT)
     at = grad_ptr + ((grad_off + lo + tl.arange(0, CB)).to(tl.int64) * slab + start)[None, :] + cols[:, None]
     tl.store(at, ds.to(grad_ptr.dtype.element_ty), mask=mask & (real & live)[None, :])
     return du
@@ -220,16 +253,16 @@ def _grad_step(addresses, it, blocks, first, hi, base, cols, ut, got, old, du, D
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "off_a", "off_b", "accumulate", "row_steps", "a_blocks",
                                "b_blocks"])
-def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr, slab, part_ptr, cp, b_base, acc_a_ptr,
-               acc_b_ptr, off_a, off_b, du_ptr, accumulate, M, d, eps, row_steps, a_blocks, b_blocks,
+def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, q_in, w_in, shrink_in, cp, b_base, acc_a_ptr,
+               acc_b_ptr, off_a, off_b, du_ptr, accumulate, M, d, row_steps, a_blocks, b_blocks,
                A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, C_MAX: tl.constexpr,
-               BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr,
-               STAGES: tl.constexpr, F32_DOT: tl.constexpr):
+               BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, STAGES: tl.constexpr,
+               F32_DOT: tl.constexpr):
     """Per column chunk c = program_id % NC and token rows program_id // NC, + num_programs // NC, ... (row_steps
     of them): the committed sources' gradients (source i's into slot off_a + i of acc_a, or off_b + i - n_a of
-    acc_b; written or added to) from _group_logits' shares at part_ptr, and the program's partial du (du_ptr
-    (programs // NC, R, d), its chunk of row program_id // NC). U^T's chunk made once per program; [U; Go]^T in
-    two bf16 parts a step. D, lse: (n_recv, M)."""
+    acc_b; written or added to) from _group_weights' Q, W^T and shrink (q_in, w_in, shrink_in), and the program's
+    partial du (du_ptr (programs // NC, R, d), its chunk of row program_id // NC). U^T's chunk made once per
+    program; [U; Go]^T in two bf16 parts a step."""
     c = tl.program_id(0) % NC
     C = n_a + n_b
     recv = r0 + tl.arange(0, R)
@@ -249,8 +282,8 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
     for it in tl.range(0, row_steps * a_blocks, num_stages=STAGES // CB):
         ahead = _grad_rows(tl.minimum(it + 1, steps - 1), a_blocks, 0, n_a, cols, go_at, ok, go_ptr, acc_a_ptr, off_a,
                            slab, accumulate, M, d, NC, CB)
-        du = _grad_step(addresses, it, a_blocks, 0, n_a, 0, cols, ut, got, old, du, D_ptr, lse_ptr, part_ptr,
-                        acc_a_ptr, off_a, slab, recv, recv_ok, M, cp, d, eps, A_DTYPE, R, CB, NC, NC_P2, F32_DOT)
+        du = _grad_step(addresses, it, a_blocks, 0, n_a, 0, cols, ut, got, old, du, q_in, w_in, shrink_in, acc_a_ptr,
+                        off_a, slab, M, cp, d, A_DTYPE, R, CB, NC, F32_DOT)
         got, old = ahead
     steps = row_steps * b_blocks
     got, old = _grad_rows(0, b_blocks, n_a, C, cols, go_at, ok, go_ptr, acc_b_ptr, off_b - n_a, slab, accumulate, M, d,
@@ -258,9 +291,8 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
     for it in tl.range(0, row_steps * b_blocks, num_stages=STAGES // CB):
         ahead = _grad_rows(tl.minimum(it + 1, steps - 1), b_blocks, n_a, C, cols, go_at, ok, go_ptr, acc_b_ptr,
                            off_b - n_a, slab, accumulate, M, d, NC, CB)
-        du = _grad_step(addresses, it, b_blocks, n_a, C, b_base, cols, ut, got, old, du, D_ptr, lse_ptr, part_ptr,
-                        acc_b_ptr, off_b - n_a, slab, recv, recv_ok, M, cp, d, eps, B_DTYPE, R, CB, NC, NC_P2,
-                        F32_DOT)
+        du = _grad_step(addresses, it, b_blocks, n_a, C, b_base, cols, ut, got, old, du, q_in, w_in, shrink_in,
+                        acc_b_ptr, off_b - n_a, slab, M, cp, d, B_DTYPE, R, CB, NC, F32_DOT)
         got, old = ahead
     out = du_ptr + (tl.program_id(0) // NC * R * d).to(tl.int64) + tl.arange(0, R)[None, :] * d + cols[:, None]
     tl.store(out, du, mask=(cols < d)[:, None])
@@ -269,10 +301,10 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, D_ptr, lse_ptr
 # ------------------------------------------------------------------------------------------ launching
 
 def _options(kernel: str) -> dict:
-    """The kernel's warps and register limit, a multiple of 8 (ptxas allocates 8 a thread at a time: 170 would
-    take 176 and let 2 programs of 4 warps share an SM, not 3)."""
+    """The kernel's warps and register limit: the SM's 65,536 registers over its programs' threads, in the 8 a thread
+    ptxas allocates at a time (170 would take 176 and let 2 programs of 4 warps share an SM, not 3), at most 255."""
     warps = WARPS[kernel]
-    return dict(num_warps=warps, maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]) // 8 * 8)
+    return dict(num_warps=warps, maxnreg=min(255, 65536 // (PROGRAMS_PER_SM[kernel] * 32 * warps) // 8 * 8))
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
@@ -283,11 +315,6 @@ def backward_config(d: int) -> dict:
     chunk = 64 if interpreting() else CHUNK
     nc = cdiv(d, chunk)
     return dict(R=R_BLOCK, CB=16, BLOCK_D=chunk * nc, CHUNK=chunk, NC=nc, STAGES=32, F32_DOT=interpreting())
-
-
-def _bwd_only(d: int) -> dict:
-    """_group_bwd's own constexpr: the chunks' count rounded up to a power of two (one tile of their shares)."""
-    return dict(NC_P2=triton.next_power_of_2(backward_config(d)["NC"]))
 
 
 def _rows_per_chunk(M: int, nc: int, kernel: str, device: torch.device) -> int:
@@ -313,29 +340,40 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
         raise ValueError(f"phase 1's backward takes fewer than 2^31 per-row scalars; got {tuple(D.shape)}")
     cfg = backward_config(d)
     C, nc, n_recv = len(table.tensors), cfg["NC"], queries.shape[0]
-    logits_rows, bwd_rows = (_rows_per_chunk(M, nc, kernel, first.device) for kernel in PROGRAMS_PER_SM)
+    logits_rows, bwd_rows = (_rows_per_chunk(M, nc, kernel, first.device) for kernel in ("_group_logits", "_group_bwd"))
     cfg = dict(cfg, C_MAX=max(16, triton.next_power_of_2(C)), **table.dtype_args())
     b_base = cdiv(table.n_a, cfg["CB"]) * cfg["CB"]         # each run's shares from a 16-aligned column
     cp = b_base + cdiv(C - table.n_a, cfg["CB"]) * cfg["CB"]
     part = torch.empty(nc, M, 2 * R_BLOCK + 1, cp, dtype=torch.float32, device=first.device)
+    steps, block = M * cp // cfg["CB"], 2 * R_BLOCK * cfg["CB"]
+    weights = (torch.empty(steps, block, dtype=torch.float32, device=first.device),          # Q
+               torch.empty(steps, block // 2, dtype=torch.float32, device=first.device),     # W^T
+               torch.empty(steps, cfg["CB"], dtype=torch.float32, device=first.device))      # shrink
     du = torch.empty(cdiv(n_recv, R_BLOCK), bwd_rows, R_BLOCK, d, dtype=torch.float32, device=first.device)
     acc_a, acc_b, off_a, off_b = accumulators
     n_a, n_b = table.n_a, C - table.n_a
     grads = [acc_a[off_a:off_a + n_a, :first.numel()], acc_b[off_b:off_b + n_b, :first.numel()]]
     common = dict(table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, n_recv=n_recv,
-                  go_ptr=go, slab=go.shape[1], part_ptr=part, cp=cp, b_base=b_base, M=M, d=d,
+                  go_ptr=go, slab=go.shape[1], cp=cp, b_base=b_base, M=M, d=d,
                   a_blocks=cdiv(n_a, cfg["CB"]), b_blocks=cdiv(n_b, cfg["CB"]), **cfg)
     for k, r0 in enumerate(range(0, n_recv, R_BLOCK)):     # receivers beyond R: the sources are read again
         chunk = min(R_BLOCK, n_recv - r0)
         inputs = [(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1),
                   (go[r0:r0 + chunk, :first.numel()], 1)]
         launch(_group_logits, nc * logits_rows, lambda: (inputs, [part]), first.device,
-               dict(common, r0=r0, W=WARPS["_group_logits"], row_steps=cdiv(M, logits_rows),
+               dict(common, r0=r0, part_ptr=part, W=WARPS["_group_logits"], row_steps=cdiv(M, logits_rows),
                     **_options("_group_logits")))
-        io = lambda: (inputs + [(part, 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)]   # noqa: E731
-                      + [(g, 1) for g in grads if accumulate or k], grads + [du[k]])
+        launch(_group_weights, min(steps, 3 if interpreting() else _sm_count(first.device) *
+                                   PROGRAMS_PER_SM["_group_weights"]),
+               lambda: ([(part, 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)], list(weights)), first.device,
+               dict(part_ptr=part, cp=cp, b_base=b_base, n_a=n_a, n_b=n_b, D_ptr=D, lse_ptr=lse, r0=r0, n_recv=n_recv,
+                    q_out=weights[0], w_out=weights[1], shrink_out=weights[2], M=M, d=d, eps=eps, R=R_BLOCK,
+                    CB=cfg["CB"], NC=nc, NC_P2=triton.next_power_of_2(nc), ROW_STAGES=4,
+                    **_options("_group_weights")))
+        io = lambda: (inputs + [(w, 1) for w in weights] + [(g, 1) for g in grads if accumulate or k],  # noqa: E731
+                      grads + [du[k]])
         launch(_group_bwd, nc * bwd_rows, io, first.device, dict(
-            common, r0=r0, D_ptr=D, lse_ptr=lse, acc_a_ptr=acc_a, acc_b_ptr=acc_b, off_a=off_a, off_b=off_b,
-            du_ptr=du[k], accumulate=int(accumulate or k > 0), eps=eps, row_steps=cdiv(M, bwd_rows),
-            **_bwd_only(d), **_options("_group_bwd")))
+            common, r0=r0, q_in=weights[0], w_in=weights[1], shrink_in=weights[2], acc_a_ptr=acc_a, acc_b_ptr=acc_b,
+            off_a=off_a, off_b=off_b, du_ptr=du[k], accumulate=int(accumulate or k > 0), row_steps=cdiv(M, bwd_rows),
+            **_options("_group_bwd")))
     return du.sum(1).flatten(0, 1)[:n_recv]

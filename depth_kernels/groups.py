@@ -24,7 +24,7 @@ def fine_group_size(n_sublayers: int, d: int) -> int:
     Each receiver reads its own sources (on average (G - 1) / 2 of them) once forward and twice backward, where
     it adds into their accumulators: 5 b each, n (G - 1) / 2 in all. The sum 2 b n^2 / G + 5 b n (G - 1) / 2 is
     smallest at G = sqrt(4 n / 5): 8 at 36 layers (72 sublayers, 7.6). No more than phase 1's backward takes in
-    one pass (group_read.receivers_per_pass), which would read the sources and accumulators again."""
+    one pass (group_backward.receivers_per_pass), which would read the sources and accumulators again."""
     return max(2, min(round(math.sqrt(4 * n_sublayers / 5)), receivers_per_pass(d)))
 
 

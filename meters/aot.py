@@ -236,10 +236,10 @@ NARROW_REASON = ("phase 1's forward holds R_BLOCK receivers' sums of one row; at
                  "the transfer rule allows: 6 stages, 9 to 12 KB (two programs per SM on 8 warps would be the fix)")
 
 
-SHARES_REASON = ("phase 1's backward reads, a step, the column chunks' shares of a block's logits (_group_logits' "
-                 "buffer: a (chunks, 8, 16) tile each of Z and G, and the squares) and the row's D and lse (8 each, "
-                 "M apart): small tiles whose per-thread parts the software pipeline stages in 4-byte copies; the "
-                 "sources, their accumulators and go move in 128-bit transfers")
+SHARES_REASON = ("phase 1's backward reads, a row and block, the column chunks' shares of the block's logits "
+                 "(_group_logits' buffer: a (chunks, 8, 16) tile each of Z and G, and the squares), the row's D and "
+                 "lse (8 each, M apart) and the weights made of them: small tiles whose per-thread parts the software "
+                 "pipeline stages in 4-byte copies; the sources, their accumulators and go move in 128-bit transfers")
 
 
 def stated_reason(c: Compiled, problem: str) -> str | None:
@@ -251,7 +251,7 @@ def stated_reason(c: Compiled, problem: str) -> str | None:
         return RECEIVER_REASON
     if "in flight" in problem and c.name.startswith("_group_fwd") and d <= 1024:
         return NARROW_REASON
-    if "32-bit global accesses" in problem and c.name.startswith("_group_bwd "):
+    if "32-bit global accesses" in problem and c.name.startswith(("_group_weights ", "_group_bwd ")):
         return SHARES_REASON
     return None
 

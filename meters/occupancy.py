@@ -34,7 +34,7 @@ MIN_IN_FLIGHT = 16 * 1024   # bytes per SM the checks ask for: 3.35 TB/s x 600 n
 MAX_MASKED = 0.20           # the checks' bound on lanes that compute nothing
 PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM,
                    **receiver_read.PROGRAMS_PER_SM}
-ONE_ROW = ("_group_fwd", "_group_logits", "_group_bwd")   # a token row at a time (their receivers' rows they hold)
+ONE_ROW = ("_group_fwd", "_group_logits", "_group_weights", "_group_bwd")   # a token row at a time
 
 
 @dataclass
@@ -65,7 +65,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
     """What one launch keeps in flight (the module docstring's model). full_grid: as if the grid filled every
     SM (a check of the launch settings, whatever the tokens); programs: per SM, if not the module's design."""
     name, args = launch.kernel.fn.__name__, launch.args
-    M, d, lanes = args["M"], args["d"], args["BLOCK_D"] + args.get("BLOCK_T", 0)   # a split row: head + tail
+    M, d, lanes = args["M"], args["d"], args.get("BLOCK_D", args["d"]) + args.get("BLOCK_T", 0)   # head + tail
     programs = programs or PROGRAMS_PER_SM[name]
     programs = max(1, programs if full_grid else min(programs, triton.cdiv(launch.grid, sms)))
     tables = [t for t, _ in launch.reads if isinstance(t, SourceTable)]
@@ -75,7 +75,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
     row = sum(_row_bytes(t, M, d) for t, _ in launch.reads    # accumulators (read and written) stream with
               if not isinstance(t, SourceTable) and not any(t is w for w in launch.writes))   # their sources
     rows = 1 if name in ONE_ROW else args["BLOCK_M"]
-    in_flight = programs * rows * (args.get("ROW_STAGES", 1) * row + args["STAGES"] * streamed)
+    in_flight = programs * rows * (args.get("ROW_STAGES", 1) * row + args.get("STAGES", 1) * streamed)
     in_flight /= args.get("NC", 1)     # phase 1's backward: a program takes one chunk of the NC of every row
     return Occupancy(name, d, programs, rows, int(in_flight), 1 - d / lanes)
 
