@@ -124,6 +124,17 @@ def _logits_step(addresses, it, blocks, first, hi, base, c, u, go_at, go_ok, go_
     tl.store(part + 2 * R * cp + i, squares, mask=live)
 
 
+@triton.jit
+def _program_start(table, n_a, n_b, r0, n_recv, R: tl.constexpr, C_MAX: tl.constexpr, NC: tl.constexpr):
+    """What a program of _group_logits or _group_bwd starts from: its column chunk c, the row's C sources, the
+    pass's receivers r0 + [0, R) and which of them are real (< n_recv), and the table's addresses, loaded once."""
+    c = tl.program_id(0) % NC
+    C = n_a + n_b
+    recv = r0 + tl.arange(0, R)
+    j = tl.arange(0, C_MAX)
+    return c, C, recv, recv < n_recv, tl.load(table + j, mask=j < C, other=0)
+
+
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv", "row_steps", "a_blocks", "b_blocks"])
 def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_ptr, cp, b_base, M, d, row_steps,
                   a_blocks, b_blocks, A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
@@ -136,12 +147,7 @@ def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_
     128-bit transfers). U's and each row's Go's chunk in three bf16 parts, (W, R, CHUNK // W) tiles; sources in
     blocks of CB (a_blocks, b_blocks a row for the two dtypes' runs), a pipeline STAGES // CB steps deep. BLOCK_D
     = NC CHUNK."""
-    c = tl.program_id(0) % NC
-    C = n_a + n_b
-    recv = r0 + tl.arange(0, R)
-    recv_ok = recv < n_recv
-    j = tl.arange(0, C_MAX)
-    addresses = tl.load(table + j, mask=j < C, other=0)
+    c, C, recv, recv_ok, addresses = _program_start(table, n_a, n_b, r0, n_recv, R, C_MAX, NC)
     u = parts(queries_chunk(q_ptr, g_ptr, recv, recv_ok, c, d, CHUNK, W), 3)
     cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))                     # (W, 1, CHUNK // W)
     go_at = recv[None, :, None].to(tl.int64) * slab + cols
@@ -263,12 +269,7 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, q_in, w_
     acc_b; written or added to) from _group_weights' Q, W^T and shrink (q_in, w_in, shrink_in), and the program's
     partial du (du_ptr (programs // NC, R, d), its chunk of row program_id // NC). U^T's chunk made once per
     program; [U; Go]^T in two bf16 parts a step."""
-    c = tl.program_id(0) % NC
-    C = n_a + n_b
-    recv = r0 + tl.arange(0, R)
-    recv_ok = recv < n_recv
-    j = tl.arange(0, C_MAX)
-    addresses = tl.load(table + j, mask=j < C, other=0)
+    c, C, recv, recv_ok, addresses = _program_start(table, n_a, n_b, r0, n_recv, R, C_MAX, NC)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     at = recv[None, :] * d + cols[:, None]                                     # (CHUNK, R): U^T, Go^T
     ok = recv_ok[None, :] & (cols < d)[:, None]

@@ -96,10 +96,9 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
     pid = tl.program_id(0)
     cols, own = row_cols(d, BLOCK_D, BLOCK_T)
     u = folded_query(q_ptr + slot * d, g_ptr + slot * d, cols, own)
-    w = row_vector(w_ptr + slot * d, cols, own)
     gate = tl.load(gate_ptr + slot, mask=has_gate != 0, other=1.0).to(tl.float32)
-    if NULL == NULL_LEARNED:              # the learned null's vector and logit
-        n, z_n = null_source(null_ptr, NULL, u, cols, own, d, eps)
+    if NULL == NULL_LEARNED:              # the learned null's logit (its vector is read per row: registers)
+        z_n = null_source(null_ptr, NULL, u, cols, own, d, eps)[1]
     du = row_zeros(1, cols)
     dw = row_zeros(1, cols)
     dgate = tl.zeros((BLOCK_M,), tl.float32)
@@ -130,7 +129,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
             if HAS_DIFF:                  # (+ the partial block's term, + a learned null's)
                 r = row_axpy(tl.exp(logit(p, u, d, eps)[0] - lse), p, r)
             if NULL == NULL_LEARNED:
-                r = row_axpy(tl.exp(z_n - lse), n, r)
+                r = row_axpy(tl.exp(z_n - lse), row_vector(null_ptr, cols, own), r)
         r_mixed = row_round(r, R_DTYPE)
         # the norm's backward: y = w xn, xn = x rstd  ->  dx = rstd (gy - xn (gy . xn) / d), gy = dy w
         x = mix(h, r_mixed, gate, ADD, X_DTYPE)
@@ -138,7 +137,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
         xn = row_scale(x, rstd_x)
         dy = row_load(dy_ptr, offs, masks)
         dw = row_colsum(dw, row_mul(dy, row_round(xn, X_DTYPE)))
-        gy = row_mul(dy, w)
+        gy = row_mul(dy, row_vector(w_ptr + slot * d, cols, own))   # w read per row: one row's registers
         dx = row_scale(row_axpy(-row_dot(gy, xn) / d, xn, gy), rstd_x)
         if ADD:                           # x = h + gate r: dL/dh = dx, dL/dr = gate dx
             dgate += row_dot(dx, r_mixed)
@@ -187,34 +186,39 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
 
 # ------------------------------------------------------------------------------------------ launching
 
-# Programs per SM each kernel is built for (meters/aot.py checks registers against it): the forward keeps
-# two; the backward holds a row's r, x, dy, dr and h, so one, whose software pipeline keeps the next rows in flight.
-PROGRAMS_PER_SM = {"_receiver_fwd": 2, "_receiver_bwd": 1}
+# A row of a receiver's read is held by as few warps as hold it without spilling (docs/kernels.md#phase-1-and-phase-2):
+# at d = 1280 one forward, two backward, so that a row's dot products reduce within a warp or between two; an SM
+# holds WARPS_PER_SM warps of several programs, each with 255 registers (meters/aot.py checks them).
+WARPS_PER_SM = 8
+ROW_LANES = {"_receiver_fwd": 1280, "_receiver_bwd": 640}   # a row's lanes per warp, at most
+# The backward's row loop, where nothing loops inside it, has the next row's inputs in flight while one is reduced
+# (a row's inputs are 10-20 KB at d = 1280: four programs an SM keep 80 KB or more in flight).
+ROW_STAGES = 2
+
+
+def programs_per_sm(num_warps: int) -> int:
+    """How many programs of a receiver kernel of num_warps warps share an SM (WARPS_PER_SM warps)."""
+    return max(1, WARPS_PER_SM // num_warps)
+
+
+def row_warps(kernel: str, d: int, heavy: bool = False) -> int:
+    """Warps holding a row of width d (ROW_LANES); twice as many (at most WARPS_PER_SM) for a heavy backward."""
+    warps = triton.next_power_of_2(cdiv(d, ROW_LANES[kernel]))
+    return min(WARPS_PER_SM, 2 * warps if heavy else warps)
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
-def _receiver_config(M: int, d: int, backward: bool) -> dict:
-    """As depth_kernels.depth_route._config: rows per program so that a thread holds 16 values of a tile forward
-    (8 at d > 2048, on 16 warps) and 8 backward, which holds more tiles of a row; source loops 3 stages deep forward,
-    4 backward (2 at d > 2048: meters/aot.py checks nothing spills); rows split where d is not a power of two."""
-    block_d = triton.next_power_of_2(d)       # one tile's lanes, for the rules above
+def _receiver_config(M: int, d: int, backward: bool, heavy: bool = False) -> dict:
+    """A row per program on row_warps warps (rows split where d is not a power of two: launch.row_tiles); source
+    loops 3 stages deep forward, 2 backward. heavy: a backward that holds the partial block beside a read-out it
+    recomputes (from its own sources, or with a learned null) or mixes by replacement: on two warps some of these
+    spill (meters/aot.py compiles every one)."""
     if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)
-    wide = block_d > 2048
-    warps = 4 if block_d <= 1024 else (16 if wide and not backward else 8)
-    per_thread = 8 if backward or wide else 16
-    block_m = max(1, min(16, per_thread * 32 * warps // block_d))
     kernel = "_receiver_bwd" if backward else "_receiver_fwd"
-    return dict(BLOCK_M=block_m, **row_tiles(d, warps),
-                STAGES=(2 if wide else 4) if backward else (2 if wide else 3), num_warps=warps,
-                maxnreg=register_budget(warps, PROGRAMS_PER_SM[kernel]))
-
-
-def _row_stages(d: int) -> int:
-    """How deep a receiver backward's row loop is pipelined where nothing loops inside it: a row of its inputs is
-    a few KB (3 to 20 at d = 768 to 1280), and 16 KB in flight per SM wants 4 rows at d > 1024, 6 below (8 would
-    read per-row scalars in more 32-bit pieces than meters/aot.py allows)."""
-    return 4 if d > 1024 else 6
+    warps = row_warps(kernel, d, heavy and backward)
+    return dict(BLOCK_M=1, **row_tiles(d, warps), STAGES=2 if backward else 3, num_warps=warps,
+                maxnreg=register_budget(warps, programs_per_sm(warps)))
 
 
 class Inputs(NamedTuple):
@@ -243,8 +247,9 @@ def _launches(n_a: int, n_b: int, a_dtype: tl.dtype, b_dtype: tl.dtype, slot: in
                   has_gate=int(has_gate), NULL=null, M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=r_dtype,
                   X_DTYPE=x_dtype, HAS_STATE=has_state, HAS_DIFF=has_base, ADD=add, HAS_TABLE=has_table,
                   R_SAVED=r_saved, STREAM=stream)
-    forward, backward = _receiver_config(M, d, backward=False), _receiver_config(M, d, backward=True)
-    programs, tiles = backward_wave(M, d, device)
+    heavy = has_base and not r_saved and (has_table or null == NULL_LEARNED or not add)   # _receiver_config's
+    forward, backward = _receiver_config(M, d, backward=False), _receiver_config(M, d, True, heavy)
+    programs, tiles = backward_wave(M, d, device)   # the group's buffers' programs: a heavy one's may take two waves
     return Launches(dict(shared, **forward), dict(shared, **backward, tiles=tiles), cdiv(M, forward["BLOCK_M"]),
                     programs)
 
@@ -329,10 +334,10 @@ class ReadGrads:
 
 
 def backward_wave(M: int, d: int, device: torch.device) -> tuple[int, int]:
-    """(programs, row tiles per program) of the receiver backward at M rows of width d, one wave: its
-    per-program partial sums are (programs, d)."""
+    """(programs, row tiles per program) of the receiver backward at M rows of width d, one wave of its programs
+    (a heavy one's, on twice the warps, two): its per-program partial sums are (programs, d)."""
     cfg = _receiver_config(M, d, backward=True)
-    return wave(cdiv(M, cfg["BLOCK_M"]), PROGRAMS_PER_SM["_receiver_bwd"], device)
+    return wave(cdiv(M, cfg["BLOCK_M"]), programs_per_sm(cfg["num_warps"]), device)
 
 
 def receiver_forward(read: Read, i: Inputs, y_dtype: torch.dtype, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -389,7 +394,7 @@ def receiver_backward(read: Read, i: Inputs, dy: Tensor, out: ReadGrads,
                 go_ptr=h if out.go is None else out.go, D_ptr=read.lse if out.D is None else out.D, dsum_ptr=dsum_ptr,
                 dsum_lo=dsum_lo, dsum_hi=dsum_hi, du_ptr=out.du, dw_ptr=out.dw, dgate_ptr=out.dgate,
                 accumulate=int(out.accumulate), SUMS=out.dsum is not None,
-                ROW_STAGES=_row_stages(h.shape[-1]) if table is None and out.dsum is None else 1,
+                ROW_STAGES=ROW_STAGES if table is None and out.dsum is None else 1,
                 dhs_ptr=h if dh_stream is None else dh_stream, dv_ptr=h if out.dv is None else out.dv)
     launch(_receiver_bwd, launches.programs, io, h.device, args)
     return dh

@@ -40,11 +40,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from depth_kernels import depth_route, group_backward, group_read, receiver_read
+from depth_kernels import depth_route
 from depth_kernels.launch import register_budget
 from depth_kernels.observers import Launch, observe_launches
 from meters import sass
 from meters.occupancy import Occupancy, occupancy
+from meters.occupancy import programs_per_sm as occupancy_programs
 from meters.traffic import REGIMES, ByteCounter, dry_step
 from model import ModelConfig
 
@@ -163,18 +164,16 @@ def compile_one(name: str, spec: tuple, read_code: bool | None = None) -> Compil
     by_registers = 65536 // (threads * -(-registers // 8) * 8)        # registers are allocated 8 at a time
     by_shared = SHARED_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32
     fits = max(1, min(by_registers, by_shared, 2048 // threads))
-    full = occupancy(launch, full_grid=True, programs=min(fits, programs_per_sm(name)))
+    full = occupancy(launch, full_grid=True, programs=min(fits, programs_per_sm(name, options.num_warps)))
     code = sass.read(kernel.asm["cubin"], options.num_warps, kernel.metadata.shared) \
         if (launch.args.get("d") == SASS_WIDTH if read_code is None else read_code) else None
     return Compiled(name, options.num_warps, registers, spills, kernel.metadata.shared,
                     dict(_ptx_accesses(kernel.asm["ptx"])), vars(full), code)
 
 
-def programs_per_sm(name: str) -> int:
+def programs_per_sm(name: str, num_warps: int) -> int:
     """How many programs of a kernel are meant to share an SM (each kernel module says, with the reason)."""
-    per_sm = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM,
-           **receiver_read.PROGRAMS_PER_SM}
-    return per_sm[name.split()[0]]
+    return occupancy_programs(name.split()[0], num_warps)
 
 
 def register_bound(num_warps: int, programs: int = 2) -> int:
@@ -195,7 +194,7 @@ def check(c: Compiled) -> list[str]:
       thread, a warp's transfer one whole 128-byte line), so a kernel with a split row and a 16-bit tensor is
       not held to a count of them."""
     problems = []
-    programs = programs_per_sm(c.name)
+    programs = programs_per_sm(c.name, c.num_warps)
     if c.spill_bytes:
         problems.append(f"spills {c.spill_bytes} bytes")
     if c.registers > register_bound(c.num_warps, programs):
@@ -317,7 +316,7 @@ def main() -> None:
             problems = check(c)
             failed += bool(problems)
             accesses = " ".join(f"{bits}b:{n}" for bits, n in sorted(c.accesses.items()))
-            bound = register_bound(c.num_warps, programs_per_sm(c.name))
+            bound = register_bound(c.num_warps, programs_per_sm(c.name, c.num_warps))
             o = c.occupancy
             stated = "; ".join(p for p in Occupancy(**o).problems() if stated_reason(c, p))
             print(f"d={d:<5} {c.registers:>3} regs (<= {bound}) {c.spill_bytes:>4} B spilled "

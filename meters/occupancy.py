@@ -32,9 +32,16 @@ from depth_kernels.observers import Launch
 LATENCY_S = 600e-9          # a global load's latency under load on sm_90 (HBM3)
 MIN_IN_FLIGHT = 16 * 1024   # bytes per SM the checks ask for: 3.35 TB/s x 600 ns / 132 SMs is about 15 KB
 MAX_MASKED = 0.20           # the checks' bound on lanes that compute nothing
-PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM,
-                   **receiver_read.PROGRAMS_PER_SM}
+PROGRAMS_PER_SM = {**depth_route.PROGRAMS_PER_SM, **group_read.PROGRAMS_PER_SM, **group_backward.PROGRAMS_PER_SM}
 ONE_ROW = ("_group_fwd", "_group_logits", "_group_weights", "_group_bwd")   # a token row at a time
+
+
+def programs_per_sm(kernel: str, num_warps: int) -> int:
+    """How many programs of a kernel are meant to share an SM: its module's PROGRAMS_PER_SM, or for the
+    receivers a share of receiver_read.WARPS_PER_SM warps (each module says why)."""
+    if kernel in receiver_read.ROW_LANES:
+        return receiver_read.programs_per_sm(num_warps)
+    return PROGRAMS_PER_SM[kernel]
 
 
 @dataclass
@@ -66,7 +73,7 @@ def occupancy(launch: Launch, sms: int = H100_SMS, full_grid: bool = False, prog
     SM (a check of the launch settings, whatever the tokens); programs: per SM, if not the module's design."""
     name, args = launch.kernel.fn.__name__, launch.args
     M, d, lanes = args["M"], args["d"], args.get("BLOCK_D", args["d"]) + args.get("BLOCK_T", 0)   # head + tail
-    programs = programs or PROGRAMS_PER_SM[name]
+    programs = programs or programs_per_sm(name, args.get("num_warps", 4))
     programs = max(1, programs if full_grid else min(programs, triton.cdiv(launch.grid, sms)))
     tables = [t for t, _ in launch.reads if isinstance(t, SourceTable)]
     streamed = tables[0].tensors[-1].element_size() * d if tables else 0     # a source row (bf16 under autocast)

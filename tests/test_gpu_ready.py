@@ -164,7 +164,7 @@ def test_the_speed_model_predicts_the_measured_h200_kernels_within_1_5x(compiled
 
 
 @pytest.mark.xfail(strict=True, reason="today's routing kernels are predicted under the rule (docs/kernels.md, 'Speed "
-                   "from the compiled code'): phase 1 and the receivers are to be rebuilt to meet it; strict, so that "
+                   "from the compiled code'): the receivers meet it, phase 1's kernels not yet; strict, so that "
                    "the suite fails once they do, until this mark is removed")
 def test_training_kernels_predicted_at_bandwidth(compiled):
     """Every training kernel at the 1044M shapes is predicted at >= 60 % of the H200's copy bandwidth with >= 2

@@ -353,7 +353,23 @@ def test_phase_one_chunks_rows_as_a_gpu_does(monkeypatch):
         assert kernel is group_read._group_fwd and cfg["BLOCK_D"] == d and cfg["CHUNK"] // cfg["W"] >= 64, (d, cfg)
     kernel, cfg = group_read._forward_config(2048)
     assert kernel is group_read._group_fwd_rows and (cfg["BLOCK_D"], cfg["BLOCK_T"]) == (2048, 0), cfg
-    assert (receiver_read._receiver_config(2048, 1280, backward=True)["BLOCK_T"]) == 512
+
+
+def test_receivers_hold_a_row_on_few_warps_as_a_gpu_does(monkeypatch):
+    """On a GPU a receiver's row is held by one warp forward and two backward to d = 1280 (four for a heavy
+    backward), more only where a row is wider, a row per program, the SM shared by 8 warps of several programs;
+    rows split without masked lanes (1280 = 1024 + 256)."""
+    _, _, receiver_read = gpu_configs(monkeypatch)
+    expected = {768: (1, 2, 4), 1024: (1, 2, 4), 1280: (1, 2, 4), 2048: (2, 4, 8), 4096: (4, 8, 8)}
+    for d, warps in expected.items():
+        configs = [receiver_read._receiver_config(4096, d, backward=False),
+                   receiver_read._receiver_config(4096, d, backward=True),
+                   receiver_read._receiver_config(4096, d, backward=True, heavy=True)]
+        assert tuple(c["num_warps"] for c in configs) == warps, (d, configs)
+        for c in configs:
+            assert c["BLOCK_M"] == 1 and c["BLOCK_D"] + c["BLOCK_T"] == d, (d, c)
+            assert c["num_warps"] * receiver_read.programs_per_sm(c["num_warps"]) == receiver_read.WARPS_PER_SM
+    assert receiver_read.backward_wave(4096, 1280, torch.device("meta")) == (512, 8)   # 4 programs on 132 SMs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter's form is "
