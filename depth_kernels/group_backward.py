@@ -50,9 +50,10 @@ CHUNK = 256     # columns a program takes (64 a warp on 4: 128-bit loads); 512 s
 # logits' and gradients' kernels need some 200 registers a thread (their small tiles, (R, CB) and the block's
 # addresses, are held by every thread, and every element of a (CHUNK, CB) tile has its 64-bit address), so
 # _group_logits runs two programs of 4 warps and _group_bwd, which also holds the next step's Go chunk and
-# accumulators, one of 8 (two of 4 spill with fp32 sources); _group_weights holds a block's coefficients: four.
-WARPS = {"_group_logits": 4, "_group_weights": 4, "_group_bwd": 8}
-PROGRAMS_PER_SM = {"_group_logits": 2, "_group_weights": 4, "_group_bwd": 1}
+# accumulators, one of 8 (two of 4 spill with fp32 sources); _group_weights' tiles of a row and block are (R, CB),
+# four values a thread of one warp (128-bit transfers; on four warps one, and 32-bit), eight programs an SM.
+WARPS = {"_group_logits": 4, "_group_weights": 1, "_group_bwd": 8}
+PROGRAMS_PER_SM = {"_group_logits": 2, "_group_weights": 8, "_group_bwd": 1}
 
 
 @triton.jit
@@ -161,41 +162,37 @@ def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_
 
 
 @triton.jit
-def _coefficients(part, ok, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr,
-                  NC_P2: tl.constexpr):
-    """Columns j .. j + CB of the shares at one row (part: chunk 0's; the next chunk's M (2R + 1) cp further; loaded
-    whole, an aligned block, and only the real sources `ok` kept): Q = [W; A] interleaved per receiver ((2R, CB):
-    rows 2r, 2r + 1 multiply U_r and Go_r), W^T (CB, R) and shrink (CB,)."""
-    i = tl.multiple_of(j, CB) + tl.arange(0, CB)
-    r = tl.arange(0, R)[:, None]
-    k = tl.arange(0, NC_P2)[:, None, None]                  # the chunks' shares: one (NC_P2, R, CB) tile each
-    at = part + k.to(tl.int64) * M * (2 * R + 1) * cp + r[None, :, :] * cp + i[None, None, :]
-    z = tl.sum(tl.load(at, mask=k < NC, other=0.0), axis=0)
-    g = tl.sum(tl.load(at + R * cp, mask=k < NC, other=0.0), axis=0)
-    k = tl.arange(0, NC_P2)[:, None]
-    at = part + k.to(tl.int64) * M * (2 * R + 1) * cp + 2 * R * cp + i[None, :]
-    squares = tl.sum(tl.load(at, mask=k < NC, other=0.0), axis=0)
-    z = tl.where(ok[None, :], z, 0.0)
-    g = tl.where(ok[None, :], g, 0.0)
-    squares = tl.where(ok, squares, 0.0)
-    rstd = tl.rsqrt(squares / d + eps)[None, :]
-    z = z * rstd
-    a = tl.where(ok[None, :], tl.exp(z - lse[:, None]), 0.0)     # 0 for receivers past the last (lse = inf)
-    w = a * (g - D[:, None]) * rstd
+def _coefficients(part, ok, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr):
+    """Columns j .. j + CB of the shares at one row (part: chunk 0's; the next chunk's M (2R + 1) cp further; each
+    chunk's loaded whole, an aligned block, and summed as it comes, so that no sum crosses threads; only the real
+    sources `ok` kept), with D and lse (R, 1): W = A (G - D) rstd and A, (R, CB), and shrink (CB,)."""
+    i = (tl.multiple_of(j, CB) + tl.arange(0, CB))[None, :]
+    at = part + tl.arange(0, R)[:, None] * cp + i             # chunk 0's shares: (R, CB) tiles, and (1, CB)
+    z = tl.load(at)
+    g = tl.load(at + R * cp)
+    squares = tl.load(part + 2 * R * cp + i)
+    for k in tl.static_range(1, NC):                          # the other chunks' shares, added in place: no reduction
+        step = k * M.to(tl.int64) * (2 * R + 1) * cp
+        z += tl.load(at + step)
+        g += tl.load(at + step + R * cp)
+        squares += tl.load(part + step + 2 * R * cp + i)
+    ok = ok[None, :]
+    rstd = tl.rsqrt(tl.where(ok, squares, 0.0) / d + eps)
+    z = tl.where(ok, z, 0.0) * rstd
+    a = tl.where(ok, tl.exp(z - lse), 0.0)                    # 0 for receivers past the last (lse = inf)
+    w = a * (tl.where(ok, g, 0.0) - D) * rstd
     shrink = tl.sum(w * z, axis=0) * tl.reshape(rstd, (CB,)) / d
-    q = tl.reshape(tl.permute(tl.join(w, a), (0, 2, 1)), (2 * R, CB))
-    return q, tl.trans(w), shrink
+    return w, a, shrink
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "r0", "n_recv"])
 def _group_weights(part_ptr, cp, b_base, n_a, n_b, D_ptr, lse_ptr, r0, n_recv, q_out, w_out, shrink_out, M, d, eps,
-                   R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr,
-                   ROW_STAGES: tl.constexpr):
+                   R: tl.constexpr, CB: tl.constexpr, NC: tl.constexpr, ROW_STAGES: tl.constexpr):
     """Each (token row, block of CB share columns), steps program_id, + num_programs, ... (a pipeline ROW_STAGES
     deep): the chunks' shares summed and made into what _group_bwd multiplies by, in fp32: Q = [W; A] (q_out
     (M cp / CB, 2R, CB)), W^T (w_out (M cp / CB, CB, R)) and shrink (shrink_out (M cp / CB, CB)). Made once here,
     not by each of _group_bwd's column chunks: the exponentials, reductions and transposes leave its steps."""
-    recv = r0 + tl.arange(0, R)
+    recv = r0 + tl.arange(0, R)[:, None]
     recv_ok = recv < n_recv
     blocks = cp // CB
     for it in tl.range(tl.program_id(0), M * (cp // CB), tl.num_programs(0), num_stages=ROW_STAGES):
@@ -203,15 +200,15 @@ def _group_weights(part_ptr, cp, b_base, n_a, n_b, D_ptr, lse_ptr, r0, n_recv, q
         j = (it - row * blocks) * CB
         col = j + tl.arange(0, CB)
         ok = (col < n_a) | ((col >= b_base) & (col < b_base + n_b))
-        D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)
+        D = tl.load(D_ptr + recv * M + row, mask=recv_ok, other=0.0)                   # (R, 1)
         lse = tl.load(lse_ptr + recv * M + row, mask=recv_ok, other=float("inf"))
-        q, wt, shrink = _coefficients(part_ptr + cp.to(tl.int64) * (2 * R + 1) * row, ok, j, D, lse, M, cp, d, eps,
-                                      R, CB, NC, NC_P2)
+        w, a, shrink = _coefficients(part_ptr + cp.to(tl.int64) * (2 * R + 1) * row, ok, j, D, lse, M, cp, d, eps,
+                                     R, CB, NC)
         at = row.to(tl.int64) * blocks + j // CB                                  # = it
-        iq = tl.arange(0, 2 * R)[:, None] * CB + tl.arange(0, CB)[None, :]
-        iw = tl.arange(0, CB)[:, None] * R + tl.arange(0, R)[None, :]
-        tl.store(q_out + at * (2 * R * CB) + iq, q)
-        tl.store(w_out + at * (CB * R) + iw, wt)
+        r, c = tl.arange(0, R)[:, None], tl.arange(0, CB)[None, :]
+        tl.store(q_out + at * (2 * R * CB) + 2 * r * CB + c, w)                 # Q's rows 2r and 2r + 1, in place
+        tl.store(q_out + at * (2 * R * CB) + (2 * r + 1) * CB + c, a)
+        tl.store(w_out + at * (CB * R) + c * R + r, w)                          # W^T, by its addresses
         tl.store(shrink_out + at * CB + tl.arange(0, CB), shrink)
 
 
@@ -369,7 +366,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                lambda: ([(part, 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)], list(weights)), first.device,
                dict(part_ptr=part, cp=cp, b_base=b_base, n_a=n_a, n_b=n_b, D_ptr=D, lse_ptr=lse, r0=r0, n_recv=n_recv,
                     q_out=weights[0], w_out=weights[1], shrink_out=weights[2], M=M, d=d, eps=eps, R=R_BLOCK,
-                    CB=cfg["CB"], NC=nc, NC_P2=triton.next_power_of_2(nc), ROW_STAGES=4,
+                    CB=cfg["CB"], NC=nc, ROW_STAGES=4 if nc <= 8 else 2,   # a stage's shares: NC 1.1 KB
                     **_options("_group_weights")))
         io = lambda: (inputs + [(w, 1) for w in weights] + [(g, 1) for g in grads if accumulate or k],  # noqa: E731
                       grads + [du[k]])
