@@ -23,9 +23,9 @@ from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import DTYPES, SourceTable, cdiv, launch, register_budget, row_tiles, slab_of, slot_view, wave
 from depth_kernels.tiles import (NULL_LEARNED, NULL_NONE, accumulate_grad, add_slots, folded_query, grad_source,
                                  logit, mix, mix_source, null_source, read_table, row_add, row_axpy, row_cols,
-                                 row_colsum, row_div, row_dot, row_load, row_masks, row_mul, row_offsets, row_own,
-                                 row_round, row_scale, row_store, row_sub, row_vector, row_zeros, softmax_step,
-                                 source_grad, start_state)
+                                 row_colsum, row_div, row_dot, row_dot2, row_load, row_masks, row_mul, row_offsets,
+                                 row_own, row_round, row_scale, row_store, row_sub, row_vector, row_zeros,
+                                 softmax_step, source_grad, start_state)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -140,7 +140,6 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
         gy = row_mul(dy, row_vector(w_ptr + slot * d, cols, own))   # w read per row: one row's registers
         dx = row_scale(row_axpy(-row_dot(gy, xn) / d, xn, gy), rstd_x)
         if ADD:                           # x = h + gate r: dL/dh = dx, dL/dr = gate dx
-            dgate += row_dot(dx, r_mixed)
             dh = dx
             dr = row_scale(dx, tl.zeros((BLOCK_M,), tl.float32) + gate)
         else:
@@ -148,7 +147,9 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
             dr = dx
         if HAS_STATE:                     # go as phase 1's backward will read it, used alike here: the
             dr = row_round(dr, go_ptr.dtype.element_ty)   # softmax backward's go . s_i - D is consistent
-        D = row_dot(dr, r)
+        D, dxr = row_dot2(dr, r, dx, r_mixed)   # D = dr . r, and dgate's dx . r (additive) in the same reduction
+        if ADD:
+            dgate += dxr
         if HAS_DIFF:                      # d(h - base): + to h, - to base
             dp, dz_rstd = source_grad(p, dr, u, lse, D, d, eps)
             du = row_colsum(du, row_scale(p, dz_rstd))
@@ -191,9 +192,7 @@ def _receiver_bwd(table, n_a, n_b, state_ptr, lse_c_ptr, slot, slab,            
 # holds WARPS_PER_SM warps of several programs, each with 255 registers (meters/aot.py checks them).
 WARPS_PER_SM = 8
 ROW_LANES = {"_receiver_fwd": 1280, "_receiver_bwd": 640}   # a row's lanes per warp, at most
-# The backward's row loop, where nothing loops inside it, has the next row's inputs in flight while one is reduced
-# (a row's inputs are 10-20 KB at d = 1280: four programs an SM keep 80 KB or more in flight).
-ROW_STAGES = 2
+ROW_STAGES = 2   # the backward's next row's inputs load while one is reduced, where nothing loops in its row loop
 
 
 def programs_per_sm(num_warps: int) -> int:
@@ -210,9 +209,9 @@ def row_warps(kernel: str, d: int, heavy: bool = False) -> int:
 @functools.cache   # a pure function of its arguments, asked at every launch
 def _receiver_config(M: int, d: int, backward: bool, heavy: bool = False) -> dict:
     """A row per program on row_warps warps (rows split where d is not a power of two: launch.row_tiles); source
-    loops 3 stages deep forward, 2 backward. heavy: a backward that holds the partial block beside a read-out it
-    recomputes (from its own sources, or with a learned null) or mixes by replacement: on two warps some of these
-    spill (meters/aot.py compiles every one)."""
+    loops 3 stages deep forward, 2 backward. heavy: a backward that recomputes its read-out beside the partial block
+    (from its own sources, with a learned null, or mixed by replacement) or, in 16 bits, beside the stream's add:
+    on two warps these spill (meters/aot.py compiles every one)."""
     if interpreting():
         return dict(BLOCK_M=min(triton.next_power_of_2(M), 256), **row_tiles(d, 4), STAGES=1, num_warps=4)
     kernel = "_receiver_bwd" if backward else "_receiver_fwd"
@@ -247,7 +246,8 @@ def _launches(n_a: int, n_b: int, a_dtype: tl.dtype, b_dtype: tl.dtype, slot: in
                   has_gate=int(has_gate), NULL=null, M=M, d=d, eps=eps, norm_eps=norm_eps, R_DTYPE=r_dtype,
                   X_DTYPE=x_dtype, HAS_STATE=has_state, HAS_DIFF=has_base, ADD=add, HAS_TABLE=has_table,
                   R_SAVED=r_saved, STREAM=stream)
-    heavy = has_base and not r_saved and (has_table or null == NULL_LEARNED or not add)   # _receiver_config's
+    heavy = not r_saved and (has_base and (has_table or null == NULL_LEARNED or not add)
+                             or stream and has_table and r_dtype.primitive_bitwidth == 16)
     forward, backward = _receiver_config(M, d, backward=False), _receiver_config(M, d, True, heavy)
     programs, tiles = backward_wave(M, d, device)   # the group's buffers' programs: a heavy one's may take two waves
     return Launches(dict(shared, **forward), dict(shared, **backward, tiles=tiles), cdiv(M, forward["BLOCK_M"]),

@@ -98,6 +98,42 @@ def row_dot(x, y):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def row_dot2(a, b, c, e):
+    """(a . b, c . e) per row, as row_dot's, in one reduction a tile (one exchange between the row's warps; the
+    products broadcast to one shape: one row against K)."""
+    ab, ce = tl.reduce(tl.broadcast(a[0] * b[0], c[0] * e[0]), 1, _add2)
+    for t in tl.static_range(1, len(a)):
+        ab_t, ce_t = tl.reduce(tl.broadcast(a[t] * b[t], c[t] * e[t]), 1, _add2)
+        ab += ab_t
+        ce += ce_t
+    return ab, ce
+
+
+@triton.jit
+def row_dot3(a, b, c, e, f, g):
+    """(a . b, c . e, f . g) per row, as row_dot2's."""
+    ab, ce = tl.broadcast(a[0] * b[0], c[0] * e[0])
+    ab, ce, fg = tl.reduce((ab, ce, f[0] * g[0]), 1, _add3)
+    for t in tl.static_range(1, len(a)):
+        ab_t, ce_t = tl.broadcast(a[t] * b[t], c[t] * e[t])
+        ab_t, ce_t, fg_t = tl.reduce((ab_t, ce_t, f[t] * g[t]), 1, _add3)
+        ab += ab_t
+        ce += ce_t
+        fg += fg_t
+    return ab, ce, fg
+
+
+@triton.jit
 def row_add(x, y):
     out = ()
     for c in tl.static_range(len(x)):
@@ -184,8 +220,9 @@ def folded_query(q_ptr, g_ptr, cols, own):
 @triton.jit
 def logit(s, u, d, eps):
     """z = rstd(s) (s . u) per row, and rstd: (K,) each."""
-    rstd = tl.rsqrt(row_dot(s, s) / d + eps)
-    return row_dot(s, u) * rstd, rstd
+    ss, su = row_dot2(s, s, s, u)
+    rstd = tl.rsqrt(ss / d + eps)
+    return su * rstd, rstd
 
 
 @triton.jit
@@ -232,7 +269,8 @@ def mix_source(table, i, DTYPE: tl.constexpr, offs, masks, u, d, eps, lse, r):
 def dot_source(table, i, DTYPE: tl.constexpr, offs, masks, go, u, lse, d, eps):
     """a_i (go . s_i) for source i of the table: its term of D = go . r, the softmax backward's shared term."""
     s = table_source(table, i, DTYPE, offs, masks)
-    return tl.exp(logit(s, u, d, eps)[0] - lse) * row_dot(go, s)
+    ss, su, gs = row_dot3(s, s, s, u, go, s)
+    return tl.exp(su * tl.rsqrt(ss / d + eps) - lse) * gs
 
 
 @triton.jit
@@ -249,9 +287,11 @@ def grad_source(table, i, DTYPE: tl.constexpr, offs, masks, go, u, lse, D, d, ep
 def source_grad(s, go, u, lse, D, d, eps):
     """Gradient of one source given dL/dr = go: a = exp(z - lse), dz = a (go . s - D),
     ds = a go + dz rstd (u - z rstd s / d). Returns ds and dz rstd (the query gradient's weight for s)."""
-    z, rstd = logit(s, u, d, eps)
+    ss, su, gs = row_dot3(s, s, s, u, go, s)                # one reduction for the three dot products
+    rstd = tl.rsqrt(ss / d + eps)
+    z = su * rstd
     a = tl.exp(z - lse)
-    dz_rstd = a * (row_dot(go, s) - D) * rstd
+    dz_rstd = a * (gs - D) * rstd
     ds = ()
     for c in tl.static_range(len(s)):
         ds = ds + (a[:, None] * go[c] + dz_rstd[:, None] * (u[c] - (z * rstd / d)[:, None] * s[c]),)

@@ -223,9 +223,9 @@ MASKED_REASON = ("Triton's tiles are powers of two, so a row whose width is not 
                  "tail are no narrower than one 1024-lane tile, a quarter of it padding")
 
 
-RECEIVER_REASON = ("one receiver streams only its own row inputs (few or no sources of its own), in as many rows per "
-                   "program and programs per SM as its live tiles' registers allow (r, x, dy, dr, h in the "
-                   "backward): more spill, so it keeps less than 16 KB in flight; its backward's row loop is "
+RECEIVER_REASON = ("one receiver streams only its own row inputs (few or no sources of its own), a row per program on "
+                   "as few warps as hold it without spilling and 8 warps an SM (receiver_read.WARPS_PER_SM): more "
+                   "rows spill, so it may keep less than 16 KB in flight; its backward's row loop is "
                    "pipelined (ROW_STAGES) only where no source loop is nested in it (Triton pipelines innermost "
                    "loops), which is where the check holds it to 16 KB")
 
