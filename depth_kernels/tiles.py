@@ -226,6 +226,14 @@ def logit(s, u, d, eps):
 
 
 @triton.jit
+def logit_and_dot(s, u, go, d, eps):
+    """logit's z and rstd, and go . s per row, from one reduction (row_dot3)."""
+    ss, su, gs = row_dot3(s, s, s, u, go, s)
+    rstd = tl.rsqrt(ss / d + eps)
+    return su * rstd, rstd, gs
+
+
+@triton.jit
 def softmax_step(m, l, acc, s, z):
     """Online softmax: fold one source (rows s, logits z) into the running max m, normaliser l and sum acc."""
     m_new = tl.maximum(m, z)
@@ -269,8 +277,8 @@ def mix_source(table, i, DTYPE: tl.constexpr, offs, masks, u, d, eps, lse, r):
 def dot_source(table, i, DTYPE: tl.constexpr, offs, masks, go, u, lse, d, eps):
     """a_i (go . s_i) for source i of the table: its term of D = go . r, the softmax backward's shared term."""
     s = table_source(table, i, DTYPE, offs, masks)
-    ss, su, gs = row_dot3(s, s, s, u, go, s)
-    return tl.exp(su * tl.rsqrt(ss / d + eps) - lse) * gs
+    z, _, gs = logit_and_dot(s, u, go, d, eps)
+    return tl.exp(z - lse) * gs
 
 
 @triton.jit
@@ -287,9 +295,7 @@ def grad_source(table, i, DTYPE: tl.constexpr, offs, masks, go, u, lse, D, d, ep
 def source_grad(s, go, u, lse, D, d, eps):
     """Gradient of one source given dL/dr = go: a = exp(z - lse), dz = a (go . s - D),
     ds = a go + dz rstd (u - z rstd s / d). Returns ds and dz rstd (the query gradient's weight for s)."""
-    ss, su, gs = row_dot3(s, s, s, u, go, s)                # one reduction for the three dot products
-    rstd = tl.rsqrt(ss / d + eps)
-    z = su * rstd
+    z, rstd, gs = logit_and_dot(s, u, go, d, eps)
     a = tl.exp(z - lse)
     dz_rstd = a * (gs - D) * rstd
     ds = ()
