@@ -42,7 +42,7 @@ from torch import Tensor
 
 from depth_kernels.group_tiles import chunk_cols, load_chunk, mma, queries_chunk, source_block
 from depth_kernels.interpreter import interpreting
-from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch
+from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget
 
 R_BLOCK = 8     # receivers a pass: [U; Go] is 16 rows, the K of dS's product
 CHUNK = 256     # columns a program takes (64 a warp on 4: 128-bit loads); 512 spills
@@ -299,10 +299,11 @@ def _group_bwd(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, q_in, w_
 # ------------------------------------------------------------------------------------------ launching
 
 def _options(kernel: str) -> dict:
-    """The kernel's warps and register limit: the SM's 65,536 registers over its programs' threads, in the 8 a thread
-    ptxas allocates at a time (170 would take 176 and let 2 programs of 4 warps share an SM, not 3), at most 255."""
+    """The kernel's warps and register limit: launch.register_budget in the 8 a thread ptxas allocates at a time
+    (170 would take 176 and let 2 programs of 4 warps share an SM, not 3), 255 where that is the cap."""
     warps = WARPS[kernel]
-    return dict(num_warps=warps, maxnreg=min(255, 65536 // (PROGRAMS_PER_SM[kernel] * 32 * warps) // 8 * 8))
+    budget = register_budget(warps, PROGRAMS_PER_SM[kernel])
+    return dict(num_warps=warps, maxnreg=budget if budget == 255 else budget // 8 * 8)
 
 
 @functools.cache   # a pure function of its arguments, asked at every launch
@@ -315,12 +316,12 @@ def backward_config(d: int) -> dict:
     return dict(R=R_BLOCK, CB=16, BLOCK_D=chunk * nc, CHUNK=chunk, NC=nc, STAGES=32, F32_DOT=interpreting())
 
 
-def _rows_per_chunk(M: int, nc: int, kernel: str, device: torch.device) -> int:
-    """Programs per column chunk: one wave of the kernel's programs over every SM (persistent), at most M; the
-    interpreter's 3 (awkward: rows left over)."""
+def _programs(n: int, nc: int, kernel: str, device: torch.device) -> int:
+    """Programs per column chunk over n token rows (or a row's blocks): one wave of the kernel's programs over every
+    SM (persistent), at most n; the interpreter's 3 (awkward: rows left over)."""
     if interpreting():
-        return min(M, 3)
-    return max(1, min(M, _sm_count(device) * PROGRAMS_PER_SM[kernel] // nc))
+        return min(n, 3)
+    return max(1, min(n, _sm_count(device) * PROGRAMS_PER_SM[kernel] // nc))
 
 
 def receivers_per_pass(d: int) -> int:
@@ -338,7 +339,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
         raise ValueError(f"phase 1's backward takes fewer than 2^31 per-row scalars; got {tuple(D.shape)}")
     cfg = backward_config(d)
     C, nc, n_recv = len(table.tensors), cfg["NC"], queries.shape[0]
-    logits_rows, bwd_rows = (_rows_per_chunk(M, nc, kernel, first.device) for kernel in ("_group_logits", "_group_bwd"))
+    logits_rows, bwd_rows = (_programs(M, nc, kernel, first.device) for kernel in ("_group_logits", "_group_bwd"))
     cfg = dict(cfg, C_MAX=max(16, triton.next_power_of_2(C)), **table.dtype_args())
     b_base = cdiv(table.n_a, cfg["CB"]) * cfg["CB"]         # each run's shares from a 16-aligned column
     cp = b_base + cdiv(C - table.n_a, cfg["CB"]) * cfg["CB"]
@@ -361,8 +362,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
         launch(_group_logits, nc * logits_rows, lambda: (inputs, [part]), first.device,
                dict(common, r0=r0, part_ptr=part, W=WARPS["_group_logits"], row_steps=cdiv(M, logits_rows),
                     **_options("_group_logits")))
-        launch(_group_weights, min(steps, 3 if interpreting() else _sm_count(first.device) *
-                                   PROGRAMS_PER_SM["_group_weights"]),
+        launch(_group_weights, _programs(steps, 1, "_group_weights", first.device),
                lambda: ([(part, 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)], list(weights)), first.device,
                dict(part_ptr=part, cp=cp, b_base=b_base, n_a=n_a, n_b=n_b, D_ptr=D, lse_ptr=lse, r0=r0, n_recv=n_recv,
                     q_out=weights[0], w_out=weights[1], shrink_out=weights[2], M=M, d=d, eps=eps, R=R_BLOCK,
