@@ -11,8 +11,9 @@ per receiver:
     du = W S                                                          (R x d: K = C)
 
 The first line needs whole rows (a dot over d), the others none: so the products run in programs per column chunk
-of CHUNK = 256 columns and a share of the token rows (persistent: rows rp, rp + P, ...), so that a program holds only
-its chunk of U and of its du, whatever d is, and the per-row scalars between them in a small kernel of their own.
+(CHUNK = 256 columns for the logits, GRAD_CHUNK = 128 for the gradients) and a share of the token rows
+(persistent: rows rp, rp + P, ...), so that a program holds only its chunk of U and of its du, whatever d is, and
+the per-row scalars between them in a small kernel of their own.
 A chunk's program walks (row, block of CB = 16 sources) pairs in one loop, so that its software pipeline loads the
 next rows' blocks while one is worked on (a Delta Block row has a block or two):
 
@@ -45,15 +46,18 @@ from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget
 
 R_BLOCK = 8     # receivers a pass: [U; Go] is 16 rows, the K of dS's product
-CHUNK = 256     # columns a program takes (64 a warp on 4: 128-bit loads); 512 spills
-# Each kernel's warps and programs per SM (meters/aot.py checks registers and shared memory against them): the
-# logits' and gradients' kernels need some 200 registers a thread (their small tiles, (R, CB) and the block's
-# addresses, are held by every thread, and every element of a (CHUNK, CB) tile has its 64-bit address), so
-# _group_logits runs two programs of 4 warps and _group_bwd, which also holds the next step's Go chunk and
-# accumulators, one of 8 (two of 4 spill with fp32 sources); _group_weights' tiles of a row and block are (R, CB),
-# four values a thread of one warp (128-bit transfers; on four warps one, and 32-bit), eight programs an SM.
-WARPS = {"_group_logits": 4, "_group_weights": 1, "_group_bwd": 8}
-PROGRAMS_PER_SM = {"_group_logits": 2, "_group_weights": 8, "_group_bwd": 1}
+CHUNK = 256       # columns a _group_logits program takes (64 a warp on 4: 128-bit loads); 512 spills
+GRAD_CHUNK = 128  # columns a _group_bwd program takes (32 a warp on 4); 256 on 4 warps spills with fp32 sources
+# Each kernel's warps and programs per SM (meters/aot.py checks registers and shared memory against them). The
+# logits' and gradients' kernels hold small tiles in every thread ((R, CB), the block's addresses) and a 64-bit
+# address per element of a (chunk, CB) tile: left alone ptxas gives them some 200 registers, two programs of 4 warps
+# an SM, whose waits at their barriers (some 14 and 6 a step) nothing else fills; capped at 168 they spill nothing
+# and run three (the speed model: Delta AttnRes's _group_logits 48 % -> 62 % of the copy bandwidth, _group_bwd
+# 65 % -> 88 %).
+# _group_weights' tiles of a row and block are (R, CB), four values a thread of one warp (128-bit transfers; on four
+# warps one, and 32-bit), eight programs an SM.
+WARPS = {"_group_logits": 4, "_group_weights": 1, "_group_bwd": 4}
+PROGRAMS_PER_SM = {"_group_logits": 3, "_group_weights": 8, "_group_bwd": 3}
 
 
 @triton.jit
@@ -109,14 +113,16 @@ def _logits_step(addresses, it, blocks, first, hi, base, c, u, go_at, go_ok, go_
     R: tl.constexpr = u[0].shape[1]
     row, live, lo = _step(it, blocks, first, M, NC, CB)
     start = row * d.to(tl.int64)
-    go = parts(tl.load(go_ptr + start + go_at, mask=go_ok, other=0.0).to(tl.float32), 3)
     ptrs, _ = source_block(addresses, lo, lo, hi, DTYPE, CB)
     s = load_chunk(ptrs, start, c, d, CHUNK, W)                              # (W, CHUNK // W, CB)
     sp = source_parts(s, DTYPE)
     z = tl.sum(dot_parts(u, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
-    g = tl.sum(dot_parts(go, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
     x = s.to(tl.float32)
     squares = tl.sum(tl.sum(x * x, axis=1), axis=0)
+    # Go's chunk loaded after Z's products, so that its parts and the sources' are not all held at once
+    cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))      # (W, 1, CHUNK // W): not held over the loop
+    go = parts(tl.load(go_ptr + (go_at + start) + cols, mask=go_ok, other=0.0).to(tl.float32), 3)
+    g = tl.sum(dot_parts(go, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
     part = part_ptr + (c.to(tl.int64) * M + row) * (2 * R + 1) * cp
     i = tl.multiple_of(base + lo - first, CB) + tl.arange(0, CB)
     r = tl.arange(0, R)[:, None]
@@ -151,7 +157,7 @@ def _group_logits(table, n_a, n_b, q_ptr, g_ptr, r0, n_recv, go_ptr, slab, part_
     c, C, recv, recv_ok, addresses = _program_start(table, n_a, n_b, r0, n_recv, R, C_MAX, NC)
     u = parts(queries_chunk(q_ptr, g_ptr, recv, recv_ok, c, d, CHUNK, W), 3)
     cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))                     # (W, 1, CHUNK // W)
-    go_at = recv[None, :, None].to(tl.int64) * slab + cols
+    go_at = recv[None, :, None].to(tl.int64) * slab                           # (1, R, 1): + start + cols a step
     go_ok = recv_ok[None, :, None] & (cols < d)
     for it in tl.range(0, row_steps * a_blocks, num_stages=STAGES // CB):     # a loop per dtype: tiles.fold_source
         _logits_step(addresses, it, a_blocks, 0, n_a, 0, c, u, go_at, go_ok, go_ptr, part_ptr, M, cp, d, A_DTYPE,
@@ -308,12 +314,14 @@ def _options(kernel: str) -> dict:
 
 @functools.cache   # a pure function of its arguments, asked at every launch
 def backward_config(d: int) -> dict:
-    """Both kernels' tiles at width d: R = 8 receivers a pass, blocks of CB = 16 sources (tl.dot's K >= 16 for du),
-    chunks of CHUNK columns, STAGES = 32 source chunks in flight (two blocks); the interpreter takes chunks of 64
-    and fp32 products (F32_DOT)."""
-    chunk = 64 if interpreting() else CHUNK
-    nc = cdiv(d, chunk)
-    return dict(R=R_BLOCK, CB=16, BLOCK_D=chunk * nc, CHUNK=chunk, NC=nc, STAGES=32, F32_DOT=interpreting())
+    """The kernels' tiles at width d: R = 8 receivers a pass, blocks of CB = 16 sources (tl.dot's K >= 16 for du),
+    STAGES = 32 source chunks in flight (two blocks); _group_logits' shares in NC chunks of CHUNK columns,
+    _group_bwd's programs over GRAD_NC chunks of GRAD_CHUNK. The interpreter takes chunks of 64 for both and fp32
+    products (F32_DOT)."""
+    chunk, grad_chunk = (64, 64) if interpreting() else (CHUNK, GRAD_CHUNK)
+    nc, grad_nc = cdiv(d, chunk), cdiv(d, grad_chunk)
+    return dict(R=R_BLOCK, CB=16, BLOCK_D=chunk * nc, CHUNK=chunk, NC=nc, GRAD_CHUNK=grad_chunk, GRAD_NC=grad_nc,
+                STAGES=32, F32_DOT=interpreting())
 
 
 def _programs(n: int, nc: int, kernel: str, device: torch.device) -> int:
@@ -322,6 +330,13 @@ def _programs(n: int, nc: int, kernel: str, device: torch.device) -> int:
     if interpreting():
         return min(n, 3)
     return max(1, min(n, _sm_count(device) * PROGRAMS_PER_SM[kernel] // nc))
+
+
+def _dtypes(table: SourceTable) -> dict:
+    """A_DTYPE and B_DTYPE of the table's two runs; an empty second run taken as bf16, not as the first run's dtype,
+    so that a table of one fp32 source compiles no fp32-only specialisation."""
+    dtypes = table.dtype_args()
+    return dtypes if len(table.tensors) > table.n_a else dict(dtypes, B_DTYPE=tl.bfloat16)
 
 
 def receivers_per_pass(d: int) -> int:
@@ -337,10 +352,13 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     M, d = first.numel() // first.shape[-1], first.shape[-1]
     if D.numel() >= 2 ** 31:      # the kernels read D and lse (n_recv, M) at 32-bit offsets
         raise ValueError(f"phase 1's backward takes fewer than 2^31 per-row scalars; got {tuple(D.shape)}")
-    cfg = backward_config(d)
+    cfg = dict(backward_config(d))
+    grad_tiles = dict(CHUNK=cfg.pop("GRAD_CHUNK"), NC=cfg.pop("GRAD_NC"))
+    grad_tiles["BLOCK_D"] = grad_tiles["CHUNK"] * grad_tiles["NC"]
     C, nc, n_recv = len(table.tensors), cfg["NC"], queries.shape[0]
-    logits_rows, bwd_rows = (_programs(M, nc, kernel, first.device) for kernel in ("_group_logits", "_group_bwd"))
-    cfg = dict(cfg, C_MAX=max(16, triton.next_power_of_2(C)), **table.dtype_args())
+    logits_rows = _programs(M, nc, "_group_logits", first.device)
+    bwd_rows = _programs(M, grad_tiles["NC"], "_group_bwd", first.device)
+    cfg = dict(cfg, C_MAX=max(16, triton.next_power_of_2(C)), **_dtypes(table))
     b_base = cdiv(table.n_a, cfg["CB"]) * cfg["CB"]         # each run's shares from a 16-aligned column
     cp = b_base + cdiv(C - table.n_a, cfg["CB"]) * cfg["CB"]
     part = torch.empty(nc, M, 2 * R_BLOCK + 1, cp, dtype=torch.float32, device=first.device)
@@ -370,8 +388,8 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                     **_options("_group_weights")))
         io = lambda: (inputs + [(w, 1) for w in weights] + [(g, 1) for g in grads if accumulate or k],  # noqa: E731
                       grads + [du[k]])
-        launch(_group_bwd, nc * bwd_rows, io, first.device, dict(
-            common, r0=r0, q_in=weights[0], w_in=weights[1], shrink_in=weights[2], acc_a_ptr=acc_a, acc_b_ptr=acc_b,
-            off_a=off_a, off_b=off_b, du_ptr=du[k], accumulate=int(accumulate or k > 0), row_steps=cdiv(M, bwd_rows),
-            **_options("_group_bwd")))
+        launch(_group_bwd, grad_tiles["NC"] * bwd_rows, io, first.device, dict(
+            common, **grad_tiles, r0=r0, q_in=weights[0], w_in=weights[1], shrink_in=weights[2], acc_a_ptr=acc_a,
+            acc_b_ptr=acc_b, off_a=off_a, off_b=off_b, du_ptr=du[k], accumulate=int(accumulate or k > 0),
+            row_steps=cdiv(M, bwd_rows), **_options("_group_bwd")))
     return du.sum(1).flatten(0, 1)[:n_recv]

@@ -339,15 +339,16 @@ def test_phase_one_in_column_chunks(d, nan_empty):
 
 
 def test_phase_one_chunks_rows_as_a_gpu_does(monkeypatch):
-    """On a GPU phase 1's backward takes a row in chunks of 256 columns (64 a warp on 4 warps: 128-bit loads), none
-    masked at the paper's widths; its forward takes rows to d = 1280 on tensor cores in chunks of 256 or 512 columns,
-    none masked, and wider ones a row per program, split (depth_kernels.launch.row_split) with a tail of at least two
-    lanes a thread."""
+    """On a GPU phase 1's backward takes a row's logits in chunks of 256 columns (64 a warp on 4 warps: 128-bit loads)
+    and its gradients in chunks of 128, none masked at the paper's widths; its forward takes rows to d = 1280 on
+    tensor cores in chunks of 256 or 512 columns, none masked, and wider ones a row per program, split
+    (depth_kernels.launch.row_split) with a tail of at least two lanes a thread."""
     group_read, group_backward, receiver_read = gpu_configs(monkeypatch)
     for d in (768, 1024, 1280, 2048, 4096, 80):
         cfg = group_backward.backward_config(d)
         assert (cfg["CHUNK"], cfg["NC"]) == (256, -(-d // 256)) and not cfg["F32_DOT"], (d, cfg)
-        assert d == 80 or cfg["BLOCK_D"] == d, (d, cfg)
+        assert (cfg["GRAD_CHUNK"], cfg["GRAD_NC"]) == (128, -(-d // 128)), (d, cfg)
+        assert d == 80 or cfg["BLOCK_D"] == d == cfg["GRAD_CHUNK"] * cfg["GRAD_NC"], (d, cfg)
     for d in (768, 1024, 1280):
         kernel, cfg = group_read._forward_config(d)
         assert kernel is group_read._group_fwd and cfg["BLOCK_D"] == d and cfg["CHUNK"] // cfg["W"] >= 64, (d, cfg)
