@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depth_kernels.group_tiles import chunk_cols, load_chunk, mma, queries_chunk, source_block
+from depth_kernels.group_tiles import (chunk_cols, load_chunk, mma, part_columns, queries_chunk, source_block,
+                                      source_pointer)
 from depth_kernels.interpreter import interpreting
 from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget
 
@@ -107,28 +108,51 @@ def _logits_step(addresses, it, blocks, first, hi, base, c, u, go_at, go_ok, go_
                  DTYPE: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, W: tl.constexpr,
                  F32_DOT: tl.constexpr):
     """Chunk c's share of Z, G ((R, CB) each) and the squares (CB,) of one step's sources (those < hi) at its row,
-    stored at the row's part (rows 0..R-1: Z, R..2R-1: G, 2R: the squares; cp apart), the run's source first at
-    column base (see _group_logits): whole blocks of 16 aligned columns, stored unmasked (a block's columns past hi
-    are the run's padding)."""
+    stored at the row's part (Z and G side by side, _zg_offsets; then the squares, 2R cp on), the run's source first at
+    column base (see _group_logits). A bf16 step is a block of CB sources, whole blocks of 16 aligned columns stored
+    unmasked (a block's columns past hi are the run's padding); an fp32 or fp16 step is one source as three bf16
+    columns (group_tiles.part_columns: one source loaded, not a block), whose sums it stores in the source's column."""
     R: tl.constexpr = u[0].shape[1]
-    row, live, lo = _step(it, blocks, first, M, NC, CB)
+    STEP: tl.constexpr = CB if DTYPE == tl.bfloat16 else 1
+    row, live, lo = _step(it, blocks, first, M, NC, STEP)
     start = row * d.to(tl.int64)
-    ptrs, _ = source_block(addresses, lo, lo, hi, DTYPE, CB)
-    s = load_chunk(ptrs, start, c, d, CHUNK, W)                              # (W, CHUNK // W, CB)
-    sp = source_parts(s, DTYPE)
-    z = tl.sum(dot_parts(u, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
-    x = s.to(tl.float32)
-    squares = tl.sum(tl.sum(x * x, axis=1), axis=0)
+    j = tl.arange(0, CB)
+    if STEP == CB:
+        ptrs, _ = source_block(addresses, lo, lo, hi, DTYPE, CB)
+        s = load_chunk(ptrs, start, c, d, CHUNK, W)                          # (W, CHUNK // W, CB)
+        i = tl.multiple_of(base + lo - first, CB) + j
+    else:
+        s, x = part_columns(source_pointer(addresses, lo, DTYPE), start, c, d, CB, CHUNK, W)
+        i = base + lo - first + j
+    z = dot_parts(u, (s,), tl.zeros((W, R, CB), tl.float32), 3, F32_DOT)           # each warp's share: (W, R, CB)
+    if STEP == CB:
+        x = s.to(tl.float32)
+    squares = tl.sum(tl.sum(x * x, axis=1), axis=0)          # (CB,), or a one-source step's (1,): column 0's
     # Go's chunk loaded after Z's products, so that its parts and the sources' are not all held at once
     cols = tl.permute(chunk_cols(c, CHUNK, W), (0, 2, 1))      # (W, 1, CHUNK // W): not held over the loop
     go = parts(tl.load(go_ptr + (go_at + start) + cols, mask=go_ok, other=0.0).to(tl.float32), 3)
-    g = tl.sum(dot_parts(go, sp, tl.zeros((W, R, CB), tl.float32), 3, F32_DOT), axis=0)
+    g = dot_parts(go, (s,), tl.zeros((W, R, CB), tl.float32), 3, F32_DOT)
+    zg = _part_sums(tl.sum(tl.join(z, g), axis=0), STEP)      # the warps' shares summed at once: (R, CB, 2)
     part = part_ptr + (c.to(tl.int64) * M + row) * (2 * R + 1) * cp
-    i = tl.multiple_of(base + lo - first, CB) + tl.arange(0, CB)
-    r = tl.arange(0, R)[:, None]
-    tl.store(part + r * cp + i[None, :], z, mask=live)
-    tl.store(part + (R + r) * cp + i[None, :], g, mask=live)
-    tl.store(part + 2 * R * cp + i, squares, mask=live)
+    ok = live & (j < STEP)                                   # a one-source step: its column only
+    tl.store(part + _zg_offsets(i[None, :], cp, R), zg, mask=ok[None, :, None])
+    tl.store(part + 2 * R * cp + i, squares, mask=ok)
+
+
+@triton.jit
+def _zg_offsets(i, cp, R: tl.constexpr):
+    """Where a row's part (_group_logits) keeps Z and G at share columns i ((1, CB)): side by side, (R, CB, 2), so
+    that one store and one load move both."""
+    return ((tl.arange(0, R)[:, None] * cp + i) * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
+
+
+@triton.jit
+def _part_sums(zg, STEP: tl.constexpr):
+    """A one-source step's (R, CB, 2) products: column 0 the sum of its three parts' columns (the source's)."""
+    if STEP == 1:
+        j = tl.arange(0, zg.shape[1])[None, :, None]
+        zg = tl.where(j == 0, tl.sum(tl.where(j < 3, zg, 0.0), axis=1)[:, None, :], zg)
+    return zg
 
 
 @triton.jit
@@ -173,15 +197,14 @@ def _coefficients(part, ok, j, D, lse, M, cp, d, eps, R: tl.constexpr, CB: tl.co
     chunk's loaded whole, an aligned block, and summed as it comes, so that no sum crosses threads; only the real
     sources `ok` kept), with D and lse (R, 1): W = A (G - D) rstd and A, (R, CB), and shrink (CB,)."""
     i = (tl.multiple_of(j, CB) + tl.arange(0, CB))[None, :]
-    at = part + tl.arange(0, R)[:, None] * cp + i             # chunk 0's shares: (R, CB) tiles, and (1, CB)
-    z = tl.load(at)
-    g = tl.load(at + R * cp)
+    at = part + _zg_offsets(i, cp, R)                         # chunk 0's shares: (R, CB, 2) and (1, CB)
+    zg = tl.load(at)
     squares = tl.load(part + 2 * R * cp + i)
     for k in tl.static_range(1, NC):                          # the other chunks' shares, added in place: no reduction
         step = k * M.to(tl.int64) * (2 * R + 1) * cp
-        z += tl.load(at + step)
-        g += tl.load(at + step + R * cp)
+        zg += tl.load(at + step)
         squares += tl.load(part + step + 2 * R * cp + i)
+    z, g = tl.split(zg)
     ok = ok[None, :]
     rstd = tl.rsqrt(tl.where(ok, squares, 0.0) / d + eps)
     z = tl.where(ok, z, 0.0) * rstd
@@ -373,13 +396,16 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     common = dict(table=table.addresses, n_a=n_a, n_b=n_b, q_ptr=queries, g_ptr=norm_weights, n_recv=n_recv,
                   go_ptr=go, slab=go.shape[1], cp=cp, b_base=b_base, M=M, d=d,
                   a_blocks=cdiv(n_a, cfg["CB"]), b_blocks=cdiv(n_b, cfg["CB"]), **cfg)
+    # _group_logits' steps a row: a bf16 run's blocks, an fp32 or fp16 run's sources (one a step, as three parts)
+    logits_steps = {f"{run}_blocks": n if cfg[f"{run.upper()}_DTYPE"] != tl.bfloat16 else cdiv(n, cfg["CB"])
+                    for run, n in (("a", n_a), ("b", n_b))}
     for k, r0 in enumerate(range(0, n_recv, R_BLOCK)):     # receivers beyond R: the sources are read again
         chunk = min(R_BLOCK, n_recv - r0)
         inputs = [(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1),
                   (go[r0:r0 + chunk, :first.numel()], 1)]
         launch(_group_logits, nc * logits_rows, lambda: (inputs, [part]), first.device,
                dict(common, r0=r0, part_ptr=part, W=WARPS["_group_logits"], row_steps=cdiv(M, logits_rows),
-                    **_options("_group_logits")))
+                    **logits_steps, **_options("_group_logits")))
         launch(_group_weights, _programs(steps, 1, "_group_weights", first.device),
                lambda: ([(part, 1), (D[r0:r0 + chunk], 1), (lse[r0:r0 + chunk], 1)], list(weights)), first.device,
                dict(part_ptr=part, cp=cp, b_base=b_base, n_a=n_a, n_b=n_b, D_ptr=D, lse_ptr=lse, r0=r0, n_recv=n_recv,

@@ -97,23 +97,34 @@ def block_rows(addresses, lo, first, hi, start, d, DTYPE: tl.constexpr, CB: tl.c
 
 
 @triton.jit
+def source_pointer(addresses, i, DTYPE: tl.constexpr):
+    """Source i of the table (addresses: all of them, loaded once) as a pointer of DTYPE, taken from registers."""
+    at = tl.sum(tl.where(tl.arange(0, addresses.shape[0]) == i, addresses, 0))
+    return tl.multiple_of(at.to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def part_columns(ptr, start, c, d, CB: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr):
+    """Chunk c of one token row (at element `start`) of an fp32 or fp16 source as three bf16 columns whose sum it is
+    exactly (8 + 8 + 8 significant bits), columns 0..2 of a (W, CHUNK // W, CB) tile, the others 0 (column 0 is the
+    source's logit's and weight's); and the chunk itself in fp32, (W, CHUNK // W, 1)."""
+    col = tl.arange(0, CB)[None, None, :]
+    cols = chunk_cols(c, CHUNK, W)                                            # (W, K, 1)
+    x = tl.load(ptr + start + cols, mask=cols < d, other=0.0).to(tl.float32)
+    hi = x.to(tl.bfloat16)
+    mid = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    low = (x - hi.to(tl.float32) - mid.to(tl.float32)).to(tl.bfloat16)
+    return tl.where(col == 0, hi, tl.where(col == 1, mid, tl.where(col == 2, low, 0.0))).to(tl.bfloat16), x
+
+
+@triton.jit
 def parts_rows(addresses, i, start, d, DTYPE: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr,
                CHUNKS: tl.constexpr, W: tl.constexpr):
-    """One token row of source i (fp32 or fp16) as three bf16 columns whose sum it is exactly (8 + 8 + 8
-    significant bits), columns 0..2 of CHUNKS tiles (W, CHUNK // W, CB), the others 0 (fold_block's PARTS = 3:
-    column 0 is its logit's and weight's)."""
-    at = tl.sum(tl.where(tl.arange(0, addresses.shape[0]) == i, addresses, 0))   # from registers, not loaded
-    ptr = tl.multiple_of(at.to(tl.pointer_type(DTYPE)), 16)
-    col = tl.arange(0, CB)[None, None, :]
+    """One token row of source i (fp32 or fp16) as CHUNKS tiles of part_columns (fold_block's PARTS = 3)."""
+    ptr = source_pointer(addresses, i, DTYPE)
     s = ()
     for c in tl.static_range(CHUNKS):
-        cols = chunk_cols(c, CHUNK, W)                                        # (W, K, 1)
-        x = tl.load(ptr + start + cols, mask=cols < d, other=0.0).to(tl.float32)
-        hi = x.to(tl.bfloat16)
-        mid = (x - hi.to(tl.float32)).to(tl.bfloat16)
-        low = (x - hi.to(tl.float32) - mid.to(tl.float32)).to(tl.bfloat16)
-        parts = tl.where(col == 0, hi, tl.where(col == 1, mid, tl.where(col == 2, low, 0.0)))
-        s = s + (parts.to(tl.bfloat16),)
+        s = s + (part_columns(ptr, start, c, d, CB, CHUNK, W)[0],)
     return s
 
 
