@@ -1,9 +1,10 @@
-"""The @triton.jit helpers of phase 1's tensor-core kernels (depth_kernels/group_read.py): a token row of a
-block of CB sources at a time, as CB columns of bf16 values (an fp32 or fp16 source as three bf16 columns, whose
-sum it is), in chunks of CHUNK columns, each chunk a (W, CHUNK // W, CB) tile whose slices go to W warps, so that the
-products over a row (the logits, K = d) are W batched products, each warp over its own columns, summed once per
-block. The receivers' folded queries are split into three 16-bit parts (exact to fp32's 2^-24) made once per
-program; every other fp32 operand of a product into two (2^-16, below the 16-bit rounding of what is stored).
+"""The @triton.jit helpers of phase 1's tensor-core kernels (depth_kernels/group_read.py, group_shares.py and
+group_backward.py): a token row of a block of CB sources at a time, as CB columns of bf16 values (an fp32 or fp16
+source as three bf16 columns, whose sum it is), in chunks of CHUNK columns, each chunk a (W, CHUNK // W, CB) tile
+whose slices go to W warps, so that the products over a row (the logits, K = d) are W batched products, each warp over
+its own columns, summed once per block. The receivers' folded queries are split into three 16-bit parts (exact to
+fp32's 2^-24) made once per program; every other fp32 operand of a product into two (2^-16, below the 16-bit rounding
+of what is stored).
 """
 import triton
 import triton.language as tl
@@ -168,3 +169,48 @@ def fold_block(s, ok, u, m, l, acc, d, eps, PARTS: tl.constexpr, CHUNK: tl.const
     for c in tl.static_range(CHUNKS):
         out = out + (dot_split(s[c], p, acc[c] * alpha[None, None, :], False, 2, F32_DOT),)
     return m_new, l, out
+
+
+@triton.jit
+def parts(x, N: tl.constexpr):
+    """x (fp32) as N bf16 terms whose sum it is to within 2^-(8 N) of |x|."""
+    out = ()
+    rest = x
+    for k in tl.static_range(N):
+        part = rest.to(tl.bfloat16)
+        out = out + (part,)
+        rest = rest - part.to(tl.float32)
+    return out
+
+
+@triton.jit
+def dot_parts(a, b, acc, ORDER: tl.constexpr, F32_DOT: tl.constexpr):
+    """acc + sum of a[i] @ b[j] over the parts' terms with i + j < ORDER (a, b: tuples of parts)."""
+    for i in tl.static_range(len(a)):
+        for j in tl.static_range(len(b)):
+            if i + j < ORDER:
+                acc = mma(a[i], b[j], acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def walk_step(it, blocks, first, M, NC: tl.constexpr, CB: tl.constexpr):
+    """Step `it` of a program's walk over (token row, block of CB sources) pairs, rows program_id // NC, +
+    num_programs // NC, ... and blocks from source `first`: the row (past the last: M - 1, read and not written),
+    whether it is real, and the block's first source. One loop over the pairs, not a loop over blocks in a loop over
+    rows, so that its software pipeline loads the next rows' blocks while one is worked on (a row of Delta Block
+    has a block or two)."""
+    k = it // tl.maximum(blocks, 1)            # (a run of no sources: no steps, but its first rows are prefetched)
+    row = tl.program_id(0) // NC + k * (tl.num_programs(0) // NC)
+    return tl.minimum(row, M - 1), row < M, first + (it - k * blocks) * CB
+
+
+@triton.jit
+def program_start(table, n_a, n_b, r0, n_recv, R: tl.constexpr, C_MAX: tl.constexpr, NC: tl.constexpr):
+    """What a program of _group_logits or _group_bwd starts from: its column chunk c, the row's C sources, the
+    pass's receivers r0 + [0, R) and which of them are real (< n_recv), and the table's addresses, loaded once."""
+    c = tl.program_id(0) % NC
+    C = n_a + n_b
+    recv = r0 + tl.arange(0, R)
+    j = tl.arange(0, C_MAX)
+    return c, C, recv, recv < n_recv, tl.load(table + j, mask=j < C, other=0)

@@ -161,7 +161,7 @@ TOP_LEVEL = {"router.py", "model.py", "train.py", "finetune.py", "eval.py", "sam
 COMMANDS = {"train", "finetune", "eval", "sample", "data"}
 FAST_PATH = {"depth_kernels/" + name for name in ("__init__.py", "launch.py", "observers.py", "interpreter.py",
                                                   "tiles.py", "depth_route.py", "group_read.py", "group_backward.py",
-                                                  "group_tiles.py", "receiver_read.py", "groups.py",
+                                                  "group_tiles.py", "group_shares.py", "receiver_read.py", "groups.py",
                                                   "grouped_state.py")}
 
 
