@@ -23,7 +23,6 @@ SLOW = {"test_gpu_ready.py": "the offline sm_90 compile of every kernel",
         "test_distributed.py": "two-rank torchrun jobs",
         "test_rehearsal.py": "training through the interpreted kernels",
         "test_whole_run.py": "whole models stepped through the interpreted kernels",
-        "test_memory.py": "the kernel path's memory, interpreted",
         "test_every_module_imports_alone_in_a_fresh_interpreter": "a fresh interpreter per module"}
 
 
