@@ -14,22 +14,25 @@ The first line needs whole rows (a dot over d), the others none: so the products
 (CHUNK = 256 columns for the logits, GRAD_CHUNK = 128 for the gradients) and a share of the token rows
 (persistent: rows rp, rp + P, ...), so that a program holds only its chunk of U and of its du, whatever d is, and
 the per-row scalars between them in a small kernel of their own.
-A chunk's program walks (row, block of CB = 16 sources) pairs in one loop, so that its software pipeline loads the
-next rows' blocks while one is worked on (a Delta Block row has a block or two):
+A chunk's program walks (row, step) pairs in one loop, a step a block of CB = 16 bf16 sources or one fp32 or fp16
+source, so that its software pipeline loads the next rows' steps while one is worked on (a Delta Block row has two):
 
 - `_group_logits`: per step, the chunk's share of Z, G and the sources' squares (each warp's slice of the chunk
-  one batched product, as group_tiles does for the forward), stored per chunk (a (NC, M, 2R + 1, cp) fp32 buffer,
+  one batched product, as group_tiles does for the forward; an fp32 or fp16 source as three bf16 columns of a
+  block), stored per chunk (a (NC, M, 2R + 1, cp) fp32 buffer,
   each dtype's run from a 16-aligned column: 68 bytes per source row and chunk, 2.7 % of a bf16 row's at d = 1280);
 - `_group_weights`: per row and block, the chunks' shares summed into Z, G and rstd, and A, W and shrink made into
   Q = [W; A] (the receivers' two rows interleaved), W^T and shrink (1.6 KB a row and block);
-- `_group_bwd`: per step, dS^T = [U; Go]^T Q (one K = 16 product) less shrink S, added into the sources' gradient
-  accumulators, and du^T += S^T W^T. The next step's Go chunk and accumulators are read by hand while this one is
-  worked on: the pipeline stages only loads whose values feed products.
+- `_group_bwd`: per bf16 step, dS^T = [U; Go]^T Q (one K = 16 product) less shrink S, added into the sources'
+  gradient accumulators, and du^T += S^T W^T; an fp32 or fp16 source's step the same on the CUDA cores, in fp32
+  (a block of 16 would load 16 sources for one). The next step's Go chunk and accumulators are read by hand while
+  this one is worked on: the pipeline stages only loads whose values feed products.
 
 Precision: the products take 16-bit operands and accumulate in fp32. A bf16 source is exact in one part; fp32 and
 fp16 sources are split into three bf16 parts whose sum they are (8 + 8 + 8 bits), as are U and Go for Z and G,
 whose products keep the terms of parts i + j < 3 (to some 2^-24 of |u| |s|, needed where G - D cancels);
-dS and du's operands take two parts, terms i + j < 2 (2^-16, below the 16-bit rounding of what is trained on).
+dS and du's operands take two parts, terms i + j < 2 (2^-16, below the 16-bit rounding of what is trained on),
+except an fp32 or fp16 source's, in fp32 on the CUDA cores.
 The interpreter multiplies 16-bit bit patterns in tl.dot: there the parts go in as fp32 (F32_DOT), same values.
 """
 from __future__ import annotations
