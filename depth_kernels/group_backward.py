@@ -47,7 +47,7 @@ from torch import Tensor
 from depth_kernels.group_shares import _group_logits, _group_weights
 from depth_kernels.group_tiles import dot_parts, parts, program_start, source_block, source_pointer, walk_step
 from depth_kernels.interpreter import interpreting
-from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget
+from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget, source_steps
 
 R_BLOCK = 8     # receivers a pass: [U; Go] is 16 rows, the K of dS's product
 CHUNK = 256       # columns a _group_logits program takes (64 a warp on 4: 128-bit loads); 512 spills
@@ -232,7 +232,8 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
     C, nc, n_recv = len(table.tensors), cfg["NC"], queries.shape[0]
     logits_rows = _programs(M, nc, "_group_logits", first.device)
     bwd_rows = _programs(M, grad_tiles["NC"], "_group_bwd", first.device)
-    cfg = dict(cfg, C_MAX=max(16, triton.next_power_of_2(C)), **_dtypes(table))
+    per_step = source_steps(table, cfg["CB"])      # sources a step of each run, and C_MAX
+    cfg = dict(cfg, C_MAX=per_step["C_MAX"], **_dtypes(table))
     b_base = cdiv(table.n_a, cfg["CB"]) * cfg["CB"]         # each run's shares from a 16-aligned column
     cp = b_base + cdiv(C - table.n_a, cfg["CB"]) * cfg["CB"]
     part = torch.empty(nc, M, 2 * R_BLOCK + 1, cp, dtype=torch.float32, device=first.device)
@@ -248,8 +249,7 @@ def group_backward(table: SourceTable, queries: Tensor, norm_weights: Tensor, ep
                   go_ptr=go, slab=go.shape[1], cp=cp, b_base=b_base, M=M, d=d,
                   **cfg)
     # steps a row: a bf16 run's blocks, an fp32 or fp16 run's sources (one a step)
-    common.update({f"{run}_blocks": n if cfg[f"{run.upper()}_DTYPE"] != tl.bfloat16 else cdiv(n, cfg["CB"])
-                   for run, n in (("a", n_a), ("b", n_b))})
+    common.update(a_blocks=cdiv(n_a, per_step["A_STEP"]), b_blocks=cdiv(n_b, per_step["B_STEP"]))
     for k, r0 in enumerate(range(0, n_recv, R_BLOCK)):     # receivers beyond R: the sources are read again
         chunk = min(R_BLOCK, n_recv - r0)
         inputs = [(table, 1), (queries[r0:r0 + chunk], 1), (norm_weights[r0:r0 + chunk], 1),

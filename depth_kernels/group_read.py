@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from depth_kernels.interpreter import interpreting
-from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget, row_tiles
+from depth_kernels.launch import SourceTable, _sm_count, cdiv, launch, register_budget, row_tiles, source_steps
 from depth_kernels.group_tiles import block_rows, chunk_cols, fold_block, parts_rows, query_parts
 from depth_kernels.tiles import (read_table, row_cols, row_div, row_load, row_masks, row_mul, row_offsets, row_own,
                                  row_store, row_zeros)
@@ -183,7 +183,7 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
     n_recv, block = queries.shape[0], cfg["R_BLOCK"]
     if kernel is _group_fwd:     # persistent: every SM's programs, rows program_id, + programs, ...
         programs = min(M, 3 if interpreting() else _sm_count(first.device) * PROGRAMS_PER_SM["_group_fwd"])
-        cfg = dict(cfg, **_steps(table, cfg["CB"]))
+        cfg = dict(cfg, **source_steps(table, cfg["CB"]))
     else:
         programs = M
     for r0 in range(0, n_recv, block):        # receivers beyond R_BLOCK: the sources are read again
@@ -195,10 +195,3 @@ def group_forward(table: SourceTable, queries: Tensor, norm_weights: Tensor, eps
             g_ptr=norm_weights, r0=r0, n_recv=n_recv, state_ptr=state, lse_c_ptr=lse_c, slab=state.shape[1], M=M,
             d=d, eps=eps, **table.dtype_args(), **cfg))
 
-
-def _steps(table: SourceTable, block: int) -> dict:
-    """_group_fwd's sources per step of its two source loops (a block of bf16 sources, or one fp32 or fp16 source
-    as three bf16 parts) and C_MAX, the table's length rounded up to a power of two (its addresses are loaded
-    once per program)."""
-    steps = {f"{run}_STEP": block if table.dtype(k) == tl.bfloat16 else 1 for k, run in enumerate("AB")}
-    return dict(steps, C_MAX=max(16, triton.next_power_of_2(len(table.tensors))))

@@ -155,6 +155,14 @@ class SourceList:
         return SourceTable(tensors, order, n_a, addresses.to(device, non_blocking=True))
 
 
+def source_steps(table: SourceTable, block: int) -> dict:
+    """Phase 1's sources a step in each of the table's runs (A_STEP, B_STEP: a block of `block` bf16 sources, or one
+    fp32 or fp16 source, which its kernels take as three bf16 parts) and C_MAX, the table's length rounded up to a
+    power of two, 16 at least (its addresses are loaded once a program)."""
+    steps = {f"{run}_STEP": block if table.dtype(k) == tl.bfloat16 else 1 for k, run in enumerate("AB")}
+    return dict(steps, C_MAX=max(16, triton.next_power_of_2(len(table.tensors))))
+
+
 def source_table(sources: list[Tensor]) -> SourceTable:
     """Validate the sources in one pass (shape, device, dtype, at most two dtypes) and build their table (none:
     SourceList.table says so)."""

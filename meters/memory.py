@@ -18,7 +18,6 @@ and temporaries) at the 1044M shape itself, on the meta device.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
