@@ -172,6 +172,7 @@ def training_loop(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Con
 
             # ---- one optimizer step: grad_accum micro-batches, gradients reduced over ranks at the last one
             _optimizer_step(run, cfg, ctx, model, optimizer, train_loader, grad_accum)
+            runlog.freeze_heap(held)                # once, after the first step: its compiles are done
             if not run.read_due(cfg):
                 continue                            # the device keeps the figures until a step that reads them
             # ---- read and log: skipped steps as read (max_bad_steps in a row stop the run), the rest every
@@ -296,7 +297,7 @@ def _optimizer_step(run: Run, cfg: TrainConfig, ctx: distributed.Context, model:
         group["lr"] = run.lr * group.get("lr_scale", 1.0)
     run.gpu_busy.start(measured=(run.step + 1) % cfg.log_interval == 0)   # the step that is logged, on a GPU
     loss_sum = forward_backward(model, loader, grad_accum, ctx.device, cfg.precision)
-    grad_norm = distributed.clip_grad_norm(model, cfg.grad_clip)          # the global norm, on the device
+    grad_norm = distributed.clip_grad_norm(optimizer, cfg.grad_clip)      # the global norm, on the device
     figures = torch.stack([distributed.all_reduce(loss_sum) / ctx.world_size, grad_norm.float()])  # (2,)
     finite = torch.isfinite(figures).all()
     if run.guard_on_device:
@@ -378,8 +379,7 @@ def _build(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
     group_spec = groups or param_groups(raw, cfg)
     wrapped = distributed.parallelize(raw, cfg.parallel, ctx, compile=cfg.compile, compile_backend=cfg.compile_backend,
                                       compile_regions=cfg.compile_regions, compile_mode=cfg.compile_mode,
-                                      precision=cfg.precision,
-                                      activation_checkpointing=cfg.activation_checkpointing)
+                                      precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing)
     fused = cfg.adamw == "fused" or (cfg.adamw == "auto" and ctx.device.type == "cuda")   # under FSDP2 too
     optimizer = torch.optim.AdamW(distributed.rebind(group_spec, names, raw), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2), fused=fused)

@@ -375,8 +375,11 @@ def rebind(groups: list[dict], names: dict[int, str], model: nn.Module) -> list[
     return out
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm before clipping (a plain tensor, also when FSDP's gradients are shards). foreach
-    on every device: a few multi-tensor operations, not some per parameter (on a CPU the same numbers)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"), foreach=True)
+def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """The global norm of the gradients of what `optimizer` updates, before clipping them (a plain tensor, also
+    when FSDP's gradients are shards). foreach on every device: a few multi-tensor operations, not some per
+    parameter (on a CPU the same numbers). The optimizer's lists, not model.parameters(): walking the modules for
+    it cost 2-3 ms of host time a step at 36 layers (meters.host)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"), foreach=True)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

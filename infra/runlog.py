@@ -2,6 +2,8 @@
 Weights & Biases run, and the figures they carry besides the loss (MFU, peak memory)."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -146,3 +148,16 @@ class GpuBusy:
             self._profile.__exit__(None, None, None)
             self.ms = sum(k["ms"] for k in device_time_by_name(self._profile.events()).values())
             self._profile = None
+
+
+def freeze_heap(held: contextlib.ExitStack) -> None:
+    """Once per run (train.py calls it after every step; it acts at the first): every object alive now (the model,
+    the compiled graphs and code: millions at the 1044M depth) moved out of the garbage collector's sight until
+    `held` closes at the run's end (gc.freeze), so that a collection scans what the steps leave. Otherwise every
+    few dozen steps a full collection walks them all: once in 30 steps of full_attnres with the whole forward
+    compiled, 318 ms (meters.host's step at 36 layers; 10.6 ms a step on average)."""
+    if gc.get_freeze_count():
+        return
+    gc.collect()
+    gc.freeze()
+    held.callback(gc.unfreeze)

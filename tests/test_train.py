@@ -195,6 +195,20 @@ def test_time_budget_stops_early(tmp_path):
     assert result["step"] < 100000 and math.isfinite(result["val_loss"])
 
 
+def test_the_heap_is_frozen_after_the_first_step_until_the_run_ends(tmp_path, monkeypatch):
+    """train._freeze_heap: from the second step on the garbage collector no longer scans the model and compiled
+    code (gc.freeze), and the run hands them back when it ends, so that a later run in the process can free them."""
+    import gc
+    frozen_at_steps = []
+    step = train._optimizer_step
+    monkeypatch.setattr(train, "_optimizer_step", lambda *args: (frozen_at_steps.append(gc.get_freeze_count()),
+                                                                 step(*args)))
+    assert gc.get_freeze_count() == 0
+    run(tmp_path, "--max_steps=3")
+    assert frozen_at_steps[0] == 0 and all(n > 1000 for n in frozen_at_steps[1:]) and len(frozen_at_steps) == 3
+    assert gc.get_freeze_count() == 0
+
+
 def test_global_batch_must_divide_over_ranks_and_micro_batches():
     cfg = TrainConfig(batch_size=8, micro_batch_size=2)
     assert [config.batch_split(cfg, world) for world in (1, 2, 4)] == [(2, 4), (2, 2), (2, 1)]
