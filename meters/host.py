@@ -258,23 +258,31 @@ def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_S
         raise RuntimeError("--instructions needs valgrind's callgrind (valgrind, callgrind_control) on the PATH")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
-        # valgrind runs no AVX-512: inductor's C++ is built for AVX2 (x86-64-v3), in a cache of its own
-        env = {**os.environ, "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3", "TORCHINDUCTOR_CACHE_DIR": tmp}
+        # valgrind runs no AVX-512: inductor's C++ is built for AVX2 (x86-64-v3), in a cache of its own, kept
+        # between counts and filled by the same process run natively first (under valgrind, building the 36-layer
+        # whole forward took tens of minutes; from the cache it is traced only)
+        env = {**os.environ, "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3", "TORCHINDUCTOR_CACHE_DIR": AVX2_CACHE}
+        child = [sys.executable, "-m", "meters.host", "--counted", method, regions, "--shape", json.dumps(shape)]
+        subprocess.run(child + ["--steps", "0"], check=True, capture_output=True, text=True, env=env)
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                        sys.executable, "-m", "meters.host", "--counted", method, regions,
-                        "--steps", str(steps), "--shape", json.dumps(shape)],
-                       check=True, capture_output=True, text=True, env=env)
+                        *child, "--steps", str(steps)], check=True, capture_output=True, text=True, env=env)
         with open(out) as f:
             total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
     return total // steps
 
 
+AVX2_CACHE = os.path.join(tempfile.gettempdir(), "meters-host-avx2")
+
+
 def _counted(method: str, regions: str, steps: int, shape: dict) -> None:
-    """The child of instructions(): warm up, then `steps` steps with callgrind's instrumentation on."""
+    """The child of instructions(): warm up, then `steps` steps with callgrind's instrumentation on (none: the
+    native run that fills the cache)."""
     torch.set_num_threads(1)
     torch._inductor.config.cpp.simdlen = 256                          # AVX2's vectors, as the march above
     stepper = TrainStep(method, regions, shape)
     stepper.step(), stepper.step()
+    if not steps:
+        return
     control = ["callgrind_control", "-i"]
     subprocess.run(control + ["on", str(os.getpid())], check=True, capture_output=True)
     for _ in range(steps):

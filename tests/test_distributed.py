@@ -426,15 +426,13 @@ def test_compiled_sublayers_share_graphs_across_layers():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("residual", ["delta", "attnres"])
-def test_the_whole_forward_compiled_by_inductor_gives_eager_gradients(residual):
-    """compile_regions="model" with the generated code users get (inductor's, not a tracing backend): the loss and
-    every parameter's gradient equal eager's, for an additive read (gated, with learned null sources) and a
-    replacing one with its final read."""
+def test_the_whole_forward_compiled_by_inductor_gives_eager_gradients():
+    """compile_regions="model" with the generated code users get (inductor's, not a tracing backend, which the
+    training runs above use): the loss and every parameter's gradient equal eager's, for gated reads with learned
+    null sources (2 layers: inductor compiles them in some 30 s on a 2-core CPU)."""
     torch._dynamo.reset()
-    cfg = ModelConfig(residual=residual, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
-                      n_blocks=2, gate=residual == "delta", null_source=True, learned_null=True,
-                      kernel="reference")
+    cfg = ModelConfig(residual="delta", d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                      gate=True, null_source=True, learned_null=True, kernel="reference")
     torch.manual_seed(0)
     eager, compiled = Model(cfg), Model(cfg)
     with torch.no_grad():                   # gates and null sources off zero, so that every gradient is alive
