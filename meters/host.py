@@ -251,6 +251,9 @@ def measure_regions(repeats: int = 10, regions: tuple[str, ...] = tuple(REGIONS)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+AVX2_CACHE = os.path.join(tempfile.gettempdir(), "meters-host-avx2")    # instructions(): inductor's code for AVX2
+
+
 def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_SHAPE) -> int:
     """Instructions per whole step (callgrind), counted over `steps` steps after two warm-up steps, in a
     process of its own run under valgrind."""
@@ -269,9 +272,6 @@ def instructions(method: str, regions: str, steps: int = 3, shape: dict = STEP_S
         with open(out) as f:
             total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
     return total // steps
-
-
-AVX2_CACHE = os.path.join(tempfile.gettempdir(), "meters-host-avx2")
 
 
 def _counted(method: str, regions: str, steps: int, shape: dict) -> None:

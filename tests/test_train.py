@@ -196,7 +196,7 @@ def test_time_budget_stops_early(tmp_path):
 
 
 def test_the_heap_is_frozen_after_the_first_step_until_the_run_ends(tmp_path, monkeypatch):
-    """train._freeze_heap: from the second step on the garbage collector no longer scans the model and compiled
+    """runlog.freeze_heap: from the second step on the garbage collector no longer scans the model and compiled
     code (gc.freeze), and the run hands them back when it ends, so that a later run in the process can free them."""
     import gc
     frozen_at_steps = []
