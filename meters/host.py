@@ -35,7 +35,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
-import gc
 import json
 import os
 import re
@@ -107,22 +106,20 @@ def step_time(residual: str, repeats: int = 10, shape: dict = SHAPE, tokens: tup
 def take_turns(steppers: dict, repeats: int, announce: bool = False) -> dict[str, list[float]]:
     """{name: host seconds of its `repeats` steps}: the steppers take turns, a step each per round, after two
     warm-up rounds (the compiles). The objects alive after the warm-up (every stepper's model, graphs and compiled
-    code) are then moved out of the garbage collector's sight (gc.freeze), so that a collection during a step scans
-    what that step left and not the other steppers' models, which a training process of one model does not hold."""
+    code) are then moved out of the garbage collector's sight, as train.py does after its first step
+    (runlog.freeze_heap), so that a collection during a step scans what that step left and not the other steppers'
+    models, which a training process of one model does not hold."""
     for round in range(2):
         for name, stepper in steppers.items():
             stepper.step()
             if announce and round == 0:
                 print(f"{name}: compiled and stepped once", file=sys.stderr, flush=True)
-    gc.collect()
-    gc.freeze()
     times: dict[str, list[float]] = {name: [] for name in steppers}
-    try:
+    with contextlib.ExitStack() as held:
+        runlog.freeze_heap(held)
         for _ in range(repeats):
             for name, stepper in steppers.items():
                 times[name].append(stepper.step())
-    finally:
-        gc.unfreeze()
     return times
 
 
