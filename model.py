@@ -3,7 +3,8 @@
 Architecture (Qwen3): token embedding, pre-norm RMSNorm, RoPE, grouped-query attention with per-head
 q/k RMSNorm applied before RoPE, SwiGLU MLP, no biases, optional tied embeddings. Parameter names and
 shapes are those of a Hugging Face Qwen3 state dict without its "model." prefix, so checkpoints map one to
-one; routers live in `routers.*`, so a baseline state dict fills every backbone weight of a routed model.
+one; routers live in `routers.*` (one stacked tensor per kind: router.Routers), so a baseline state dict fills every
+backbone weight of a routed model.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from router import (BLOCK_SOURCES, BLOCK_SPLITS, METHODS, SOURCES, DepthState, Router, depth_route, make_policy,
+from router import (BLOCK_SOURCES, BLOCK_SPLITS, METHODS, SOURCES, DepthState, Routers, depth_route, make_policy,
                     rms_norm)
 
 KERNELS = ("auto", "triton", "reference")
@@ -163,8 +164,7 @@ class Model(nn.Module):
         # Routers sit at the root, not inside layers: they are tiny, and a block's reads may need the
         # queries of several layers at once (which per-layer sharding would hide).
         n_receivers = self.policy.n_receivers(2 * cfg.n_layers)
-        self.routers = nn.ModuleList(Router(cfg.d_model, cfg.gate, cfg.query_std, cfg.learned_null)
-                                     for _ in range(n_receivers))
+        self.routers = Routers(n_receivers, cfg.d_model, cfg.gate, cfg.query_std, cfg.learned_null)
         self.route = depth_route        # Eq. 1 on the reference path (the kernel path reads with depth_kernels/)
         self.routing_observer = None    # see router.DepthState; None costs nothing
         self.init_weights()
@@ -173,16 +173,16 @@ class Model(nn.Module):
     def init_weights(self) -> None:
         """Normal(0, init_std) matrices; with out_init="scaled" the two projections that write into the stream
         at init_std / sqrt(2 L), so the stream's variance does not grow with depth ("plain": init_std, the
-        authors' code); norms at one; routers last, as Router says (so that a seed gives a routed model exactly
+        authors' code); norms at one; routers last, as Routers says (so that a seed gives a routed model exactly
         the baseline's backbone)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers) if self.cfg.out_init == "scaled" else std
         for name, p in self.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 and not name.startswith("routers."):
                 writes_stream = name.endswith(("o_proj.weight", "down_proj.weight"))
                 nn.init.normal_(p, mean=0.0, std=out_std if writes_stream else std)
         for m in self.modules():
-            if isinstance(m, Router):
+            if isinstance(m, Routers):
                 m.reset_parameters()
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)

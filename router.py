@@ -66,37 +66,85 @@ def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: 
     return out.to(sources[0].dtype)
 
 
-class Router(nn.Module):
-    """The parameters one receiving sublayer owns: a static query w_l, its own RMSNorm weight g_l, an optional
-    scalar gate γ_l and an optional learned null source n_l.
+@dataclass
+class Router:
+    """What one receiving sublayer reads with: its static query w_l (d,), its own RMSNorm weight g_l (d,), an
+    optional scalar gate γ_l (1,) and an optional learned null source n_l (d,). Rows of `Routers`' parameters (views:
+    their gradients reach the stacked parameters)."""
+    query: Tensor
+    norm_weight: Tensor
+    gate: Tensor | None = None
+    null: Tensor | None = None
 
-    query_init_std: the query starts at N(0, std), or at zero (uniform weights, as the paper states) for 0.
-    gate: a scalar γ starting at zero, so h^ = h~ + γ r is an exact identity at initialisation (zero queries
-        alone are not one), and a gated router starts from random queries (ModelConfig's default for
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.query, self.norm_weight, self.gate, self.null) if t is not None]
+
+
+class Routers(nn.Module):
+    """The routers of a model's n receiving sublayers, as one parameter per kind with a row per receiver: queries
+    (n, d), key-norm weights (n, d), and optionally gates (n, 1) and learned null sources (n, d). `routers[i]` and
+    iteration give each receiver's `Router` (rows unbound once: DepthState takes them once per forward). One tensor
+    per kind rather than a module per receiver: at 36 layers the 144 tensors of per-receiver modules cost a step
+    about 2 ms of host time (autograd's accumulation, the optimizer's and clipping's loops over tensors).
+
+    query_init_std: the queries start at N(0, std), or at zero (uniform weights, as the paper states) for 0.
+    gate: a scalar γ per receiver starting at zero, so h^ = h~ + γ r is an exact identity at initialisation (zero
+        queries alone are not one), and gated routers start from random queries (ModelConfig's default for
         gate=True is N(0, 0.02)): why both, docs/method.md, "Correction 2".
-    learned_null: the null source is a learned vector n_l (d,) of this receiver, zero at init (the authors'
+    learned_null: the null source is a learned vector n_l (d,) of each receiver, zero at init (the authors'
         code), rather than a constant zero.
+    A model without receivers (the baseline) has no parameters here. State dicts written when each receiver was a
+    module of its own (`routers.{i}.query`, ...) load: their rows are stacked (`_stack_rows`).
     """
 
-    def __init__(self, d_model: int, gate: bool, query_init_std: float = 0.0, learned_null: bool = False):
-        super().__init__()
-        self.query_init_std = query_init_std
-        # zeros here, drawn in reset_parameters: building a router must not move the RNG that the backbone's
-        # init draws from (model.Model initialises routers last)
-        self.query = nn.Parameter(torch.zeros(d_model))
-        self.norm_weight = nn.Parameter(torch.ones(d_model))
-        self.gate = nn.Parameter(torch.zeros(1)) if gate else None   # (1,): FSDP2 shards no 0-d parameter
-        self.null = nn.Parameter(torch.zeros(d_model)) if learned_null else None
+    KINDS = ("query", "norm_weight", "gate", "null")
 
+    def __init__(self, n: int, d_model: int, gate: bool, query_init_std: float = 0.0, learned_null: bool = False):
+        super().__init__()
+        self.n, self.query_init_std = n, query_init_std
+        # queries zero here, drawn in reset_parameters: building routers must not move the RNG that the backbone's
+        # init draws from (model.Model initialises routers last). Gates (n, 1): FSDP2 shards no 0-d row.
+        made = {"query": torch.zeros(n, d_model), "norm_weight": torch.ones(n, d_model),
+                "gate": torch.zeros(n, 1) if gate else None, "null": torch.zeros(n, d_model) if learned_null else None}
+        for kind, value in made.items():
+            self.register_parameter(kind, nn.Parameter(value) if value is not None and n else None)
+        self.register_load_state_dict_pre_hook(_stack_rows)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Router:
+        return Router(*(None if p is None else p[i] for p in self._kinds()))
+
+    def __iter__(self):
+        """Every receiver's Router, its tensors unbound from the stacked parameters in one op per kind."""
+        rows = [[None] * self.n if p is None else p.unbind(0) for p in self._kinds()]
+        return iter([Router(*row) for row in zip(*rows)])
+
+    def _kinds(self) -> list[Tensor | None]:
+        return [getattr(self, kind) for kind in self.KINDS]
+
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        if self.query_init_std > 0:
-            nn.init.normal_(self.query, mean=0.0, std=self.query_init_std)
-        else:
-            nn.init.zeros_(self.query)
+        if self.n == 0:
+            return
+        for row in self.query:         # row by row: the draws a module per receiver made, in the same order
+            if self.query_init_std > 0:
+                nn.init.normal_(row, mean=0.0, std=self.query_init_std)
+            else:
+                nn.init.zeros_(row)
         nn.init.ones_(self.norm_weight)
         for p in (self.gate, self.null):
             if p is not None:
                 nn.init.zeros_(p)
+
+
+def _stack_rows(module: Routers, state_dict: dict, prefix: str, *args) -> None:
+    """A state dict with a module per receiver (`{prefix}{i}.query`, ...) -> the stacked rows (`{prefix}query`)."""
+    for kind in Routers.KINDS:
+        rows = [state_dict.pop(f"{prefix}{i}.{kind}") for i in range(module.n) if f"{prefix}{i}.{kind}" in state_dict]
+        if rows:
+            state_dict[prefix + kind] = torch.stack(rows)
 
 
 @dataclass(frozen=True)
@@ -198,9 +246,9 @@ class DepthState:
     records routing weights this way); it must not modify anything.
     """
 
-    def __init__(self, policy: Policy, routers: nn.ModuleList, embedding: Tensor, route, eps: float,
-                 observer=None):
-        self.policy, self.routers, self.route, self.eps, self.observer = policy, routers, route, eps, observer
+    def __init__(self, policy: Policy, routers: Routers, embedding: Tensor, route, eps: float, observer=None):
+        self.policy, self.route, self.eps, self.observer = policy, route, eps, observer
+        self.routers = list(routers)          # every receiver's Router (rows of the stacked parameters)
         self.h = embedding                    # (B, T, d) h~_0 = e
         self.sources = [embedding]            # s_0 = e
         self.partial: Tensor | None = None    # sum of outputs since the last commit

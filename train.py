@@ -60,9 +60,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def param_groups(model: Model, cfg: TrainConfig) -> list[dict]:
-    """Weight decay on matrices only (weight_decay_on="matrices": norms and router queries, norms, gates and null
-    sources are 1-D), or on every parameter ("all", the authors' code), which pulls norms and routers to 0."""
-    decays = (lambda p: True) if cfg.weight_decay_on == "all" else (lambda p: p.dim() >= 2)
+    """Weight decay on the backbone's matrices only (weight_decay_on="matrices": never norms nor routers, whose
+    stacked rows are 2-D), or on every parameter ("all", the authors' code), which pulls norms and routers to 0."""
+    backbone = {id(p) for n, p in model.named_parameters() if not n.startswith("routers.")}
+    decays = (lambda p: True) if cfg.weight_decay_on == "all" else (lambda p: p.dim() >= 2 and id(p) in backbone)
     groups = [{"params": [p for p in model.parameters() if decays(p)], "weight_decay": cfg.weight_decay},
               {"params": [p for p in model.parameters() if not decays(p)], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
@@ -118,8 +119,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, model: Model | None = None,
     when SIGINT/SIGTERM stopped the run, which then saves and skips the final evaluation, else None).
 
     model: start from this model (e.g. a converted pretrained one) instead of a fresh Model(model_cfg).
-    groups: optimizer parameter groups; a group's "lr_scale" multiplies the scheduled learning rate.
-    """
+    groups: optimizer parameter groups; a group's "lr_scale" multiplies the scheduled learning rate."""
     ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
     try:  # a rank that hangs or dies ends the job with a message (distributed.rank_failures)
         with distributed.rank_failures(ctx, cfg.dist_timeout_s), contextlib.ExitStack() as held:   # held: the lock

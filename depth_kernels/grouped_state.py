@@ -36,7 +36,7 @@ from depth_kernels.groups import GradBank, Group, commits_before, fine_group_siz
 from depth_kernels.launch import SourceList, aligned, slot_view, slots
 from depth_kernels.receiver_read import Inputs, Read, receiver_backward, receiver_forward
 from depth_kernels.tiles import NULL_LEARNED, NULL_NONE, NULL_ZERO
-from router import DepthState, Router
+from router import DepthState
 
 
 def _take(ctx) -> tuple:
@@ -227,7 +227,6 @@ class GroupedDepthState(DepthState):
         self.adders = {r for r, g in enumerate(self.plan[:last]) if g >= 0 and commits[r] and r not in first} \
             if self.observer is None and not self.policy.commit_after_read and self.policy.sources == "deltas" \
             and self.policy.block_source == "boundary" else set()    # receivers whose node makes h~ (add)
-        self.router_list = list(self.routers)   # indexed at every read: cheaper than the ModuleList
         self.bank = GradBank(self.h)
         self.bank.add(self.h)
         # the committed sources, checked and aligned as they come: tables of them cost little
@@ -239,9 +238,6 @@ class GroupedDepthState(DepthState):
         self.group_output: Tensor | None = None   # the current group's r_C buffer, as GroupRead returned it
         self.claimed = 0                  # sources[:claimed] have their gradient returned by some node
         self.outputs_since_commit: list[Tensor] = []
-
-    def router(self) -> Router:
-        return self.router_list[self.l - self.policy.reads_from]
 
     # The stream's add h~_{l+1} = h~_l + v_l is made by the next receiver's node where v_l is its newest own
     # source (`adders`; docs/kernels.md#the-streams-add-inside-the-receivers); any other reader of h~ meanwhile
@@ -298,7 +294,7 @@ class GroupedDepthState(DepthState):
     def _group_of(self, receiver: int) -> Group:
         if self.group is None or self.plan[receiver] != self.group.index:
             members = self.members[self.plan[receiver]]
-            routers = [self.router_list[i] for i in members]
+            routers = [self.routers[i] for i in members]
             committed = list(self.sources)
             table = self.source_list.table(0, len(committed))
             group = Group(self.plan[receiver], self.plan[receiver] == self.plan[-1], members[0], routers, table,
@@ -360,7 +356,7 @@ class GroupedDepthState(DepthState):
                     has_state=True, has_base=base is not None, M=self.M, d=h.shape[-1], h_dtype=h_dtype,
                     device=h.device, saved_r=group.saved_r if saves_r else None, stream=adds)
         assert not adds or (base is None and owned[-1] == len(self.sources) - 1), "v_l is not the newest own source"
-        spec = Receiver(group, group.n_committed, owned, receiver != len(self.router_list) - 1, base_to_group,
+        spec = Receiver(group, group.n_committed, owned, receiver != len(self.routers) - 1, base_to_group,
                         receiver == group.first_receiver and h is group.base, read)
         out = _receiver_read(spec, self.bank, h, base, self.group_output, learned_null,
                              *[self.sources[k] for k in owned])

@@ -311,14 +311,26 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> No
     is: verify it first (newest_intact or read_meta)."""
     raw = distributed.unwrap(model)
     if isinstance(raw, FSDPModule) and os.path.isdir(path):
+        _refuse_router_modules(path, dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         model_state, optimizer_state = get_state_dict(raw, optimizer)  # this rank's shards, to be filled
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(raw, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return
     full = load_checkpoint(path)
+    _refuse_router_modules(path, full["model"])
     set_state_dict(raw, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
                    options=StateDictOptions(full_state_dict=isinstance(raw, FSDPModule)))
+
+
+def _refuse_router_modules(path: str, keys) -> None:
+    """A checkpoint from when each router was a module of its own (`routers.0.query`, ...; now one stacked
+    parameter per kind, router.Routers): its model weights load (Model.load_state_dict stacks them), its optimizer
+    state, kept per tensor, cannot be resumed."""
+    if any(re.match(r"(model\.)?routers\.\d+\.", key) for key in keys):
+        raise CheckpointError(f"{path}: written when each router was a module of its own (routers.0.query, ...): "
+                              "its weights load (infra/trained.py: eval.py, sample.py, finetune.py export) but its "
+                              "optimizer state cannot resume")
 
 
 def consolidate(directory: str, out_path: str | None = None) -> str:

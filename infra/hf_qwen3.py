@@ -171,8 +171,7 @@ def load_hf_qwen3(path: str, *, dtype: torch.dtype = torch.float32, **overrides)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.routers.to_empty(device="cpu")
-    for router in model.routers:
-        router.reset_parameters()
+    model.routers.reset_parameters()
     model.routers.to(dtype)
     return model
 

@@ -153,6 +153,27 @@ def test_a_file_without_a_checksum_is_refused_and_skipped(tmp_path, capsys):
     assert "skipping an unusable checkpoint" in capsys.readouterr().err
 
 
+def test_a_checkpoint_with_a_module_per_router_loads_its_weights_and_refuses_to_resume(tmp_path):
+    """Checkpoints from when each router was a module of its own (routers.0.query, ...): their rows are stacked
+    into the routers' parameters on load; resuming their per-tensor optimizer state is refused by name."""
+    out_dir = tmp_path / "out"
+    run(out_dir, "--max_steps=1")
+    path = checkpoint.checkpoint_paths(str(out_dir))[-1]
+    state = checkpoint.load_checkpoint(path)
+    stacked = {k: v for k, v in state["model"].items() if k.startswith("routers.")}
+    assert stacked and all(v.dim() == 2 for v in stacked.values())
+    for key, value in stacked.items():
+        del state["model"][key]
+        kind = key.removeprefix("routers.")
+        state["model"].update({f"routers.{i}.{kind}": row.clone() for i, row in enumerate(value)})
+    checkpoint.save_file(path, state)
+    model, _ = trained.load_model(path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stacked.items())
+    with pytest.raises(checkpoint.CheckpointError, match=r"written when each router was a module of its own "
+                                                         r"\(routers.0.query, ...\): its weights load"):
+        run(out_dir, "--max_steps=2", "--resume")
+
+
 def test_the_consolidate_command_names_its_usage(tmp_path):
     with pytest.raises(cli.UsageError, match=r"^usage: python -m infra.checkpoint consolidate CKPT_DIR \[OUT.pt\]$"):
         checkpoint.main(["merge", str(tmp_path)])

@@ -75,7 +75,7 @@ def precision_dtypes(parallel: str, ctx: distributed.Context, precision: str = "
 
     def observe(l, sources, router):
         seen["sources"].update(str(s.dtype) for s in sources[:-1])   # the last is the null source
-        seen["routers"].update(str(p.dtype) for p in router.parameters())
+        seen["routers"].update(str(p.dtype) for p in router.tensors())
     model.routing_observer = observe
     model.norm.register_forward_pre_hook(lambda m, args: seen["stream"].add(str(args[0].dtype)))
     for layer in model.layers:

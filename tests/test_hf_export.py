@@ -31,7 +31,7 @@ def routed(folder, seed: int = 0, **options):
     torch.manual_seed(seed)
     with torch.no_grad():
         for router in model.routers:
-            for p in router.parameters():
+            for p in router.tensors():
                 p.add_(0.5 * torch.randn_like(p))
     return model.eval()
 

@@ -21,7 +21,7 @@ from depth_kernels.observers import observe_launches  # noqa: E402
 from depth_kernels.grouped_state import GroupedDepthState  # noqa: E402
 from depth_kernels.groups import fine_group_size  # noqa: E402
 from model import Model, ModelConfig, RMSNorm, uses_kernel  # noqa: E402
-from router import DepthState, Router, make_policy  # noqa: E402
+from router import DepthState, Routers, make_policy  # noqa: E402
 from router import depth_route as reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -255,8 +255,7 @@ def run_state(cls, residual, options, group_size, router_options, scale, d=96):
     g = torch.Generator().manual_seed(3)
     n_layers = 4
     policy = make_policy(residual, n_layers, **options)
-    routers = torch.nn.ModuleList(Router(d, **{"gate": False, **router_options})
-                                  for _ in range(policy.n_receivers(2 * n_layers)))
+    routers = Routers(policy.n_receivers(2 * n_layers), d, **{"gate": False, **router_options})
     norms = [RMSNorm(d, 1e-6) for _ in range(2 * n_layers + 1)]   # each sublayer's pre-norm, the final norm
     with torch.no_grad():
         for r in routers:
@@ -386,7 +385,7 @@ def test_a_read_given_a_norm_other_than_the_states_says_so():
     """A group stacks its receivers' pre-norm weights at its start, from the norms the state was given: a read
     given another norm (whose weight the kernels would not use) is an error, not a silent mix-up."""
     d, policy = 16, make_policy("delta", 2)
-    routers = torch.nn.ModuleList(Router(d, gate=False) for _ in range(policy.n_receivers(4))).to(DEVICE)
+    routers = Routers(policy.n_receivers(4), d, gate=False).to(DEVICE)
     norms = [RMSNorm(d, 1e-6).to(DEVICE) for _ in range(5)]
     state = GroupedDepthState(policy, routers, torch.randn(1, 3, d, device=DEVICE), reference, 1e-6, norms=norms)
     state.add(torch.tanh(state.input(norms[0])))

@@ -177,7 +177,7 @@ def router_grads(model: Model, idx: torch.Tensor) -> tuple[list[torch.Tensor], l
     model.zero_grad()
     loss_of(model, idx).backward()
     model.routing_observer = None
-    return ([r.query.grad.clone() for r in model.routers], [r.gate.grad.clone() for r in model.routers],
+    return (list(model.routers.query.grad.clone()), list(model.routers.gate.grad.clone()),
             [n_sources[l] for l in sorted(n_sources)])
 
 
@@ -222,7 +222,7 @@ def test_learned_null_source_starts_as_the_constant_one_and_learns():
     assert constant.routers[0].null is None
     assert torch.equal(learned(idx), constant(idx))
     loss_of(learned, idx).backward()
-    grads = [r.null.grad for r in learned.routers]
+    grads = list(learned.routers.null.grad)
     assert all(g.isfinite().all() and g.abs().max() > 0 for g in grads)
 
 
@@ -242,11 +242,13 @@ def test_query_init_std():
 @pytest.mark.parametrize("out_init", ["scaled", "plain"])
 def test_out_init_std_of_the_projections_that_write_the_stream(out_init):
     """"scaled": o_proj and down_proj at init_std / sqrt(2 L) (here 0.02 / sqrt(12) = 0.0058); "plain" (the
-    authors' code): every matrix at init_std. The other matrices are at init_std either way."""
+    authors' code): every matrix at init_std. The other matrices are at init_std either way (the routers' stacked
+    rows, 2-D too, are not matrices: their queries start at zero here)."""
     model = Model(ModelConfig(**TINY, residual="delta_block", n_blocks=3, out_init=out_init))
     expected = 0.02 / (2 * TINY["n_layers"]) ** 0.5 if out_init == "scaled" else 0.02
+    assert torch.equal(model.routers.query, torch.zeros_like(model.routers.query))
     for name, p in model.named_parameters():
-        if p.dim() == 2:
+        if p.dim() == 2 and not name.startswith("routers."):
             std = expected if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
             assert abs(p.std().item() / std - 1) < 0.1, (name, p.std().item(), std)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from router import DepthState, Router, block_starts, depth_route, make_policy
+from router import DepthState, Routers, block_starts, depth_route, make_policy
 
 
 def random_sources(n, B=2, T=5, d=12, dtype=torch.float32, seed=0):
@@ -73,7 +73,7 @@ def drive(policy, outputs, e, routers=None, route=None):
     """Run a DepthState over given sublayer outputs; return, per sublayer, (the sources it read, or None when it
     does not read; h~; its input)."""
     d = e.shape[-1]
-    routers = routers or torch.nn.ModuleList(Router(d, gate=False) for _ in range(policy.n_receivers(len(outputs))))
+    routers = routers or Routers(policy.n_receivers(len(outputs)), d, gate=False)
     reads = {}
     state = DepthState(policy, routers, e, route or depth_route, eps=1e-6,
                        observer=lambda l, sources, router: reads.__setitem__(l, list(sources)))

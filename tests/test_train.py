@@ -234,16 +234,17 @@ ROUTED = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff
 
 @pytest.mark.parametrize("on", ["matrices", "all"])
 def test_weight_decay_on_matrices_or_on_every_parameter(on):
-    """"matrices": the 2-D parameters only (the embedding too), never a norm or router; "all" (the authors'
-    code): every one. One AdamW step on zero gradients moves exactly the decayed parameters that are not 0."""
+    """"matrices": the backbone's 2-D parameters only (the embedding too), never a norm or router (whose stacked
+    rows are 2-D too); "all" (the authors' code): every one. One AdamW step on zero gradients moves exactly the
+    decayed parameters that are not 0."""
     torch.manual_seed(0)
     model = Model(ModelConfig(**ROUTED))
     groups = train.param_groups(model, TrainConfig(weight_decay=0.1, weight_decay_on=on))
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(names[id(p)] for g in groups for p in g["params"]) == sorted(names.values())  # each once
     decayed = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
-    matrices = {n for n, p in model.named_parameters() if p.dim() == 2}
-    assert "embed_tokens.weight" in matrices and any(n.startswith("routers.") for n in names.values())
+    matrices = {n for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("routers.")}
+    assert "embed_tokens.weight" in matrices and model.routers.query.dim() == 2
     assert decayed == (matrices if on == "matrices" else set(names.values()))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(groups, lr=0.1)
@@ -262,7 +263,7 @@ def test_bf16_params_computes_in_bf16_throughout(kernel):
     model = Model(ModelConfig(**ROUTED, kernel=kernel))
     seen = set()
     model.routing_observer = lambda l, sources, router: seen.update(
-        {t.dtype for t in sources} | {p.dtype for p in router.parameters()})
+        {t.dtype for t in sources} | {p.dtype for p in router.tensors()})
     model.norm.register_forward_pre_hook(lambda m, args: seen.add(args[0].dtype))
     for layer in model.layers:
         for m in (layer.self_attn, layer.mlp):
@@ -557,7 +558,8 @@ def test_resume_on_another_tokenizers_data_is_an_error(tmp_path):
 
 def test_flops_per_token_counts_every_matmul_weight():
     cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, residual="delta")
-    weights = sum(p.numel() for p in Model(cfg).parameters() if p.dim() == 2)  # the tied embedding is the head
+    matrices = [p for n, p in Model(cfg).named_parameters() if p.dim() == 2 and not n.startswith("routers.")]
+    weights = sum(p.numel() for p in matrices)  # the tied embedding is the head; routers' rows multiply no matrix
     assert runlog.flops_per_token(cfg, 128) == 6 * weights + 12 * 3 * 4 * 16 * 128
 
 
