@@ -59,11 +59,16 @@ def depth_route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: 
 
     Accumulates in fp32 (float64 stays float64, for gradcheck). Every faster path is tested against this.
     """
-    dtype = torch.promote_types(sources[0].dtype, torch.float32)
-    values = torch.stack(sources).to(dtype)                      # (N, B, T, d)  s_i
+    return depth_read(torch.stack(sources), query, norm_weight, eps).to(sources[0].dtype)
+
+
+def depth_read(values: Tensor, query: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """Eq. 1 on sources already stacked: values (N, B, T, d); query, norm_weight: (d,) -> (B, T, d) in fp32 (or
+    float64)."""
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    values = values.to(dtype)                                    # (N, B, T, d)  s_i
     weights = depth_weights(values, query.to(dtype), norm_weight.to(dtype), eps)  # (N, B, T)
-    out = (weights.unsqueeze(-1) * values).sum(dim=0)            # (B, T, d)     r = sum_i a_i s_i
-    return out.to(sources[0].dtype)
+    return (weights.unsqueeze(-1) * values).sum(dim=0)           # (B, T, d)     r = sum_i a_i s_i
 
 
 @dataclass
@@ -251,6 +256,7 @@ class DepthState:
         self.routers = list(routers)          # every receiver's Router (rows of the stacked parameters)
         self.h = embedding                    # (B, T, d) h~_0 = e
         self.sources = [embedding]            # s_0 = e
+        self.bank: Tensor | None = None       # the committed sources stacked, as far as a read needed them (stacked)
         self.partial: Tensor | None = None    # sum of outputs since the last commit
         self.l = 0                            # index of the next sublayer
         self.tracks_sources = policy.read != "none"
@@ -284,7 +290,23 @@ class DepthState:
         sources = self.candidates(router)
         if self.observer is not None:
             self.observer(self.l, sources, router)
+        if self.route is depth_route:     # the reference, on the committed sources stacked as they come (stacked)
+            return depth_read(self.stacked(sources), router.query, router.norm_weight, self.eps).to(sources[0].dtype)
         return self.route(sources, router.query, router.norm_weight, self.eps)
+
+    def stacked(self, sources: list[Tensor]) -> Tensor:
+        """A read's sources stacked, (N, B, T, d): the committed ones are `bank`, which grows by one concatenation
+        per commit, and only the partial and the null source are stacked per read. The same values as
+        torch.stack(sources); but where each read stacks its own sources, a compiled graph writes every source into
+        every later read's stack, through a view per (read, source): O(L^2) views for the host to make each step."""
+        k = len(self.sources) if self.l >= self.policy.sources_from else 0   # sources[:k] are the committed ones
+        if k == 0:
+            return torch.stack(sources)
+        have = 0 if self.bank is None else self.bank.shape[0]
+        if have < k:
+            new = torch.stack(self.sources[have:k])
+            self.bank = new if self.bank is None else torch.cat([self.bank, new])
+        return torch.cat([self.bank, torch.stack(sources[k:])]) if len(sources) > k else self.bank
 
     def commit_block(self) -> None:
         """At a boundary the partial becomes a committed source."""

@@ -174,3 +174,26 @@ def test_additive_update_keeps_the_stream():
     torch.testing.assert_close(state.h, e + sum(outputs))
     for candidates, h, x in trace[1:]:
         torch.testing.assert_close(x, h + depth_route(candidates, torch.zeros(12), torch.ones(12)))
+
+
+@pytest.mark.parametrize("residual,options", [("delta", {}), ("full_attnres", {"null_source": True}),
+                                              ("delta_block", {"n_blocks": 2}),
+                                              ("delta_block", {"n_blocks": 2, "block_source": "paper"}),
+                                              ("attnres", {"n_blocks": 2, "sources": "states"})])
+def test_each_read_of_the_reference_gets_its_sources_stacked_from_one_growing_stack(residual, options):
+    """DepthState.stacked, which the reference's reads take: every read's stacked sources are torch.stack of its
+    sources, exactly; the committed ones come from one stack grown as sources are committed (its rows are the
+    committed sources so far)."""
+    policy = make_policy(residual, n_layers=3, **options)
+    e, outputs = random_sources(1)[0], random_sources(6, seed=1)
+    reads = []
+    state = DepthState(policy, Routers(policy.n_receivers(6), 12, gate=False), e, depth_route, eps=1e-6,
+                       observer=lambda l, sources, router: reads.append(list(sources)))
+    for v in [*outputs, None]:
+        state.input() if v is not None else state.output()
+        if reads and state.l >= policy.sources_from:
+            assert torch.equal(state.stacked(reads[-1]), torch.stack(reads[-1]))
+            assert torch.equal(state.bank, torch.stack(state.sources))
+        if v is not None:
+            state.add(v)
+    assert len(state.bank) == len(state.sources) >= 2 and len(reads) >= 5
