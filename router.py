@@ -256,7 +256,7 @@ class DepthState:
         self.routers = list(routers)          # every receiver's Router (rows of the stacked parameters)
         self.h = embedding                    # (B, T, d) h~_0 = e
         self.sources = [embedding]            # s_0 = e
-        self.bank: Tensor | None = None       # the committed sources stacked, as far as a read needed them (stacked)
+        self.committed_stack: Tensor | None = None   # sources stacked, as far as a read needed them (stacked)
         self.partial: Tensor | None = None    # sum of outputs since the last commit
         self.l = 0                            # index of the next sublayer
         self.tracks_sources = policy.read != "none"
@@ -295,18 +295,19 @@ class DepthState:
         return self.route(sources, router.query, router.norm_weight, self.eps)
 
     def stacked(self, sources: list[Tensor]) -> Tensor:
-        """A read's sources stacked, (N, B, T, d): the committed ones are `bank`, which grows by one concatenation
-        per commit, and only the partial and the null source are stacked per read. The same values as
+        """A read's sources stacked, (N, B, T, d): the committed ones are `committed_stack`, which grows by one
+        concatenation per commit, and only the partial and the null source are stacked per read. The same values as
         torch.stack(sources); but where each read stacks its own sources, a compiled graph writes every source into
         every later read's stack, through a view per (read, source): O(L^2) views for the host to make each step."""
         k = len(self.sources) if self.l >= self.policy.sources_from else 0   # sources[:k] are the committed ones
         if k == 0:
             return torch.stack(sources)
-        have = 0 if self.bank is None else self.bank.shape[0]
+        stack = self.committed_stack
+        have = 0 if stack is None else stack.shape[0]
         if have < k:
             new = torch.stack(self.sources[have:k])
-            self.bank = new if self.bank is None else torch.cat([self.bank, new])
-        return torch.cat([self.bank, torch.stack(sources[k:])]) if len(sources) > k else self.bank
+            stack = self.committed_stack = new if stack is None else torch.cat([stack, new])
+        return torch.cat([stack, torch.stack(sources[k:])]) if len(sources) > k else stack
 
     def commit_block(self) -> None:
         """At a boundary the partial becomes a committed source."""

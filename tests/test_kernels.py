@@ -393,6 +393,23 @@ def test_a_read_given_a_norm_other_than_the_states_says_so():
         state.input(RMSNorm(d, 1e-6).to(DEVICE))
 
 
+def test_a_read_without_a_norm_takes_the_reference_path_of_the_grouped_state():
+    """A read given no pre-norm is router.DepthState's reference read, on its stacked committed sources (whose
+    stack is the state's own, not the kernels' gradient bank): the same input as the reference state's."""
+    d, policy = 16, make_policy("delta", 2)
+    routers = Routers(policy.n_receivers(4), d, gate=False).to(DEVICE)
+    with torch.no_grad():
+        routers.query.normal_()
+    norms = [RMSNorm(d, 1e-6).to(DEVICE) for _ in range(5)]
+    e, v = torch.randn(1, 3, d, device=DEVICE), torch.randn(1, 3, d, device=DEVICE)
+    grouped = GroupedDepthState(policy, routers, e, reference, 1e-6, norms=norms)
+    plain = DepthState(policy, routers, e, reference, 1e-6)
+    for state in (grouped, plain):
+        state.input()
+        state.add(v)
+    torch.testing.assert_close(grouped.input(), plain.input())
+
+
 @pytest.mark.parametrize("peek", [False, True], ids=["receivers-add", "stream-read-between"])
 def test_a_receiver_that_makes_the_streams_add_gives_the_reference_gradients(peek, monkeypatch, nan_empty):
     """A fine-grained group's later receivers make the stream's add for their newest source (GroupedDepthState.add)

@@ -193,7 +193,7 @@ def test_each_read_of_the_reference_gets_its_sources_stacked_from_one_growing_st
         state.input() if v is not None else state.output()
         if reads and state.l >= policy.sources_from:
             assert torch.equal(state.stacked(reads[-1]), torch.stack(reads[-1]))
-            assert torch.equal(state.bank, torch.stack(state.sources))
+            assert torch.equal(state.committed_stack, torch.stack(state.sources))
         if v is not None:
             state.add(v)
-    assert len(state.bank) == len(state.sources) >= 2 and len(reads) >= 5
+    assert len(state.committed_stack) == len(state.sources) >= 2 and len(reads) >= 5
