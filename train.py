@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from infra import adamw
 from infra import checkpoint
 from infra import cli
 from infra import corpus
@@ -375,14 +376,13 @@ def _build(model_cfg: ModelConfig, cfg: TrainConfig, ctx: distributed.Context, m
         with torch.device(ctx.device):
             model = Model(model_cfg)
     raw = model.to(ctx.device)
-    names = {id(p): n for n, p in raw.named_parameters()}
-    group_spec = groups or param_groups(raw, cfg)
+    names, group_spec = {id(p): n for n, p in raw.named_parameters()}, groups or param_groups(raw, cfg)
     wrapped = distributed.parallelize(raw, cfg.parallel, ctx, compile=cfg.compile, compile_backend=cfg.compile_backend,
                                       compile_regions=cfg.compile_regions, compile_mode=cfg.compile_mode,
                                       precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing)
     fused = cfg.adamw == "fused" or (cfg.adamw == "auto" and ctx.device.type == "cuda")   # under FSDP2 too
-    optimizer = torch.optim.AdamW(distributed.rebind(group_spec, names, raw), lr=cfg.lr,
-                                  betas=(cfg.beta1, cfg.beta2), fused=fused)
+    optimizer = adamw.AdamW(distributed.rebind(group_spec, names, raw), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            fused=fused)
     return raw, wrapped, optimizer
 
 

@@ -429,8 +429,11 @@ def test_compiled_sublayers_share_graphs_across_layers():
 def test_the_whole_forward_compiled_by_inductor_gives_eager_gradients():
     """compile_regions="model" with the generated code users get (inductor's, not a tracing backend, which the
     training runs above use): the loss and every parameter's gradient equal eager's, for gated reads with learned
-    null sources (2 layers: inductor compiles them in some 30 s on a 2-core CPU)."""
+    null sources (2 layers: inductor compiles them in some 30 s on a 2-core CPU); the generated code skips the
+    checks distributed.UNCHECKED turns off."""
+    from torch._inductor.codecache import PyCodeCache
     torch._dynamo.reset()
+    loaded = set(map(id, PyCodeCache.modules))
     cfg = ModelConfig(residual="delta", d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
                       gate=True, null_source=True, learned_null=True, kernel="reference")
     torch.manual_seed(0)
@@ -448,7 +451,24 @@ def test_the_whole_forward_compiled_by_inductor_gives_eager_gradients():
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert p.grad.abs().max() > 0, name                               # a gradient that can differ
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    generated = [open(m.__file__).read() for m in PyCodeCache.modules if id(m) not in loaded]
+    assert any("extern_kernels.mm(" in code for code in generated)          # the forward's and backward's code
+    assert not any("assert_size_stride(" in code or "assert_alignment(" in code for code in generated)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend, mode, options", [
+    ("inductor", "default", distributed.UNCHECKED),
+    ("inductor", "reduce-overhead", {"triton.cudagraphs": True, **distributed.UNCHECKED}),
+    ("aot_eager", "reduce-overhead", None)])          # a tracing backend takes neither mode nor options
+def test_compiled_regions_get_the_mode_and_the_unchecked_settings(monkeypatch, backend, mode, options):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    model = Model(ModelConfig(residual="delta", d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
+                              d_ff=32))
+    distributed.compile_model(model, backend, mode)
+    distributed.compile_sublayers(model, backend, mode)
+    assert calls and all(c == {"backend": backend, **({"options": options} if options else {})} for c in calls)
 
 
 # ------------------------------------------------------------------------- torchrun train.py, as users run it
