@@ -10,11 +10,10 @@ CPU; any of the three can be asked for on any device):
             everything else computes in fp32: the embedding e, so the residual stream h~ sums in fp32; the
             RMSNorm weights (pre-norms, the final norm, and but under FSDP2 the q/k norms); every router
             parameter (query, norm weight, gate, null source), so routing logits, weights and the read-out r
-            are fp32. The sources
-            are e (fp32) and the sublayer outputs v_l, bf16 as the matmuls return them. Parameters and
-            AdamW's states are fp32; FSDP2 gathers the layers in bf16 (half the traffic; the values autocast
-            casts the matrices to, while the layers' q/k-norm weights become bf16 copies: `shard`) and
-            reduces gradients in fp32.
+            are fp32. The sources are e (fp32) and the sublayer outputs v_l, bf16 as the matmuls return them.
+            Parameters and AdamW's states are fp32; FSDP2 gathers the layers in bf16 (half the traffic; the
+            values autocast casts the matrices to, while the layers' q/k-norm weights become bf16 copies:
+            `shard`) and reduces gradients in fp32.
     fp32    everything in fp32, no autocast.
     bf16-params  the authors' recipe: the whole model cast to bf16 (`model.to(torch.bfloat16)` in `parallelize`),
             no autocast. Parameters, gradients, AdamW's states, the embedding and so the residual stream, every
