@@ -24,9 +24,10 @@ and norm read back), built as train.py builds it (train._build), for each method
 regions (REGIONS: eager, compiled sublayers, the whole forward compiled: distributed.compile_model), each region in
 a process of its own (measure_regions). The compiled regions' own kernels are skipped as the routing kernels are
 (skipped_compiled_kernels; on a CPU their C++ kernels would otherwise do the arithmetic a GPU does) and counted: on
-a GPU each is a launch, which the host pays for unless CUDA graphs replay the region. Instruction counts
-(valgrind's callgrind, the steps alone: instrumentation is switched on around them) do not move with the machine's
-load, as CPU time does.
+a GPU each is a launch, which the host pays for unless CUDA graphs replay the region. So are the optimizer's and
+clipping's multi-tensor operations (skipped_multi_tensor_ops: on a CPU a loop of one operation per tensor, on a
+GPU a few launches a call). Instruction counts (valgrind's callgrind, the steps alone: instrumentation is switched
+on around them) do not move with the machine's load, as CPU time does.
 """
 from __future__ import annotations
 
@@ -165,6 +166,34 @@ def skipped_compiled_kernels() -> Iterator[list[str]]:
             setattr(module, name, kernel)
 
 
+# The multi-tensor operations of the optimizer step and of clipping (torch's foreach and fused AdamW): on a GPU
+# each call is a few launches over all of its tensors (multi_tensor_apply); on a CPU, a loop that dispatches one
+# operation per tensor: host work a GPU run never does (13 of attnres's 83 M instructions a step at 36 layers).
+MULTI_TENSOR_OPS = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_norm", "_fused_adamw_", "_fused_adam_")
+
+
+@contextlib.contextmanager
+def skipped_multi_tensor_ops() -> Iterator[list[str]]:
+    """Within the block, torch's MULTI_TENSOR_OPS replaced by no-ops that list their names, as
+    skipped_compiled_kernels does for the compiled kernels: each call is counted as a launch. _foreach_norm still
+    returns a new scalar per tensor, whose allocation a GPU's call makes too."""
+    names: list[str] = []
+
+    def skipped(name: str):
+        def op(tensors, *args, **kwargs):
+            names.append(name)
+            return [torch.empty(()) for _ in tensors] if name == "_foreach_norm" else None
+        return op
+    kept = {name: getattr(torch, name) for name in MULTI_TENSOR_OPS}
+    try:
+        for name in kept:
+            setattr(torch, name, skipped(name))
+        yield names
+    finally:
+        for name, op in kept.items():
+            setattr(torch, name, op)
+
+
 @functools.cache   # a generated module's file never changes: read once, not at every step
 def kernel_names(path: str) -> tuple[str, ...]:
     """The names of the kernels a generated module (inductor's wrapper, at `path`) defines."""
@@ -203,26 +232,28 @@ class TrainStep:
         self.run = train.Run.starting(self.ctx.device, self.optimizer)
         self.batches = Batches(model_cfg.vocab_size, tokens)
         self.stop = distributed.StopRequest(announce=False)       # never entered: no signal handlers
-        self.launches = self.compiled_kernels = 0
+        self.launches = self.compiled_kernels = self.multi_tensor_ops = self.taken = 0
 
     def step(self) -> float:
         """Host seconds (CPU time) of one step: forward and backward, clipping, the optimizer, the read when due."""
         run, train = self.run, self.train
-        with skipped_launches() as launches, skipped_compiled_kernels() as kernels:
+        multi_tensor_ops = skipped_multi_tensor_ops() if self.taken else contextlib.nullcontext([])  # 1st: trains
+        with skipped_launches() as launches, skipped_compiled_kernels() as kernels, multi_tensor_ops as multi_tensor:
             start = time.process_time()
             train._optimizer_step(run, self.cfg, self.ctx, self.model, self.optimizer, self.batches, 1)
             if run.read_due(self.cfg):
                 train._read_figures(run, self.cfg, self.ctx, lambda record, line: None, self.stop)
             seconds = time.process_time() - start
-        self.launches, self.compiled_kernels = len(launches), len(kernels)
+        self.launches, self.multi_tensor_ops = len(launches), len(multi_tensor)
+        self.compiled_kernels, self.taken = len(kernels) + len(multi_tensor), self.taken + 1
         return seconds
 
 
 def measure_steps(methods: tuple[str, ...] = METHODS, regions: tuple[str, ...] = tuple(REGIONS),
                   repeats: int = 10, shape: dict = STEP_SHAPE, backend: str = "inductor") -> dict[str, dict]:
     """{"method/regions": {"seconds": median host seconds of a whole step, "launches" of the routing kernels,
-    "compiled_kernels": calls of the compiled regions' kernels}}, both skipped; the steppers take turns, a step each
-    per round, so that a slow spell of a shared machine is spread over all of them."""
+    "compiled_kernels": calls of the compiled regions' kernels and multi-tensor operations}}, all skipped; the
+    steppers take turns, a step each per round, so that a slow spell of a shared machine is spread over all of them."""
     torch.set_num_threads(1)
     steppers = {f"{m}/{r}": TrainStep(m, r, shape, backend=backend) for m in methods for r in regions}
     times = take_turns(steppers, repeats, announce=True)
