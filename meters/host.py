@@ -176,13 +176,13 @@ MULTI_TENSOR_OPS = ("_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach
 def skipped_multi_tensor_ops() -> Iterator[list[str]]:
     """Within the block, torch's MULTI_TENSOR_OPS replaced by no-ops that list their names, as
     skipped_compiled_kernels does for the compiled kernels: each call is counted as a launch. _foreach_norm still
-    returns a new scalar per tensor, whose allocation a GPU's call makes too."""
+    returns a scalar per tensor, as a GPU's does: views of one new (n,) tensor."""
     names: list[str] = []
 
     def skipped(name: str):
         def op(tensors, *args, **kwargs):
             names.append(name)
-            return [torch.empty(()) for _ in tensors] if name == "_foreach_norm" else None
+            return list(torch.empty(len(tensors)).unbind()) if name == "_foreach_norm" else None
         return op
     kept = {name: getattr(torch, name) for name in MULTI_TENSOR_OPS}
     try:
