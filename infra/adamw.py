@@ -52,8 +52,8 @@ class AdamW(torch.optim.AdamW):
     def _fast(self) -> bool:
         """Whether a step is torch's fused one with nothing that needs its per-parameter walk."""
         d = self.defaults
-        return bool(d["fused"]) and not (d["amsgrad"] or d["maximize"] or d["differentiable"]) and all(
-            not isinstance(g["lr"], Tensor) for g in self.param_groups)
+        return bool(d["fused"]) and not (d["amsgrad"] or d["maximize"] or d["differentiable"]) and not any(
+            isinstance(x, Tensor) for g in self.param_groups for x in (g["lr"], *g["betas"]))
 
     def _step_lists(self) -> list[tuple[dict, Lists]] | None:
         """(group, (params, exp_avgs, exp_avg_sqs, steps)) per param group and (device, dtype), once every

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import router
 from router import DepthState, Routers, block_starts, depth_route, make_policy
 
 
@@ -197,3 +198,32 @@ def test_each_read_of_the_reference_gets_its_sources_stacked_from_one_growing_st
         if v is not None:
             state.add(v)
     assert len(state.committed_stack) == len(state.sources) >= 2 and len(reads) >= 5
+
+
+def test_a_read_in_a_compiled_graph_keeps_only_its_inputs_and_recomputes_the_rest(monkeypatch):
+    """router.recomputed_read, the reference's read inside a compiled graph: the same output and gradients as
+    depth_read bit for bit, while what it keeps for the backward is its inputs alone (depth_read also keeps the
+    normalized sources and the weights); DepthState.read takes it only while torch compiles."""
+    def run(read):
+        g = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(5, 2, 3, 8, generator=g), torch.randn(8, generator=g), 1 + torch.rand(8, generator=g)]
+        inputs = [t.requires_grad_() for t in inputs]
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            out = read(*inputs, 1e-6)
+        out.backward(torch.randn(out.shape, generator=g))
+        return out, [t.grad for t in inputs], sum(kept)
+    plain, recomputed = run(router.depth_read), run(router.recomputed_read)
+    assert torch.equal(recomputed[0], plain[0]) and all(map(torch.equal, recomputed[1], plain[1]))
+    assert recomputed[2] == 5 * 2 * 3 * 8 + 8 + 8 < plain[2]
+    calls = []
+    monkeypatch.setattr(router, "recomputed_read", lambda *args: calls.append(1) or router.depth_read(*args))
+    policy = make_policy("delta", n_layers=2)
+    state = DepthState(policy, Routers(policy.n_receivers(4), 12, gate=False), random_sources(1)[0], depth_route,
+                       eps=1e-6)
+    state.input()
+    assert not calls
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    state.add(random_sources(1, seed=1)[0])
+    state.input()
+    assert calls == [1]
