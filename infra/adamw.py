@@ -6,7 +6,7 @@ torch.nn.utils.clip_grad_norm_ groups the gradients twice more. At the 1044M dep
 parameter tensors) that is Python work per parameter that the GPU waits on at every step (meters.host). Here the
 lists of parameters and of their state, grouped as torch groups them, are built once the state exists and kept;
 a step reads only the gradients, then calls the same kernels with the same arguments in the same order as torch:
-the same numbers bit for bit (tests/test_adamw.py).
+the same numbers bit for bit (tests/test_adamw.py); zero_grad drops the gradients along the same lists.
 
 The lists are dropped whenever they could be stale: a load_state_dict (the state's tensors are new), a new
 parameter group, or a step on which some parameter has no gradient (torch's step then runs, skipping it).
@@ -83,6 +83,15 @@ class AdamW(torch.optim.AdamW):
             if found_inf is not None:
                 torch._foreach_sub_(state_steps, [found_inf.to(device, non_blocking=True)] * len(state_steps))
         return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; with set_to_none, over the kept list once it exists (torch's walks the groups with checks per
+        parameter: 101 against 32 µs for 400 tensors here)."""
+        if not set_to_none or self._clipped is None:
+            return super().zero_grad(set_to_none)
+        for params in self._clipped:
+            for p in params:
+                p.grad = None
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> Tensor:

@@ -52,6 +52,7 @@ def step_both(ref, ours, step: int, max_norm: float, **gradient_kwargs) -> None:
             norms.append(torch.nn.utils.clip_grad_norm_(params_of(opt), max_norm, foreach=True))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in params_of(opt))
     assert torch.equal(*norms)
     assert_same(ref, ours)
 
@@ -117,6 +118,16 @@ def test_a_loaded_state_is_the_one_the_next_steps_update():
         opt.load_state_dict(copy.deepcopy(donor.state_dict()))
     for step in range(2, 4):
         step_both(ref, ours, step, max_norm=1.0)
+
+
+def test_zero_grad_without_set_to_none_zeroes_the_gradients():
+    _, ours = optimizers()
+    for step in range(2):                # the first step makes the state and the lists; the second uses them
+        give_gradients(ours, step)
+        ours.clip_grad_norm(1.0)
+        ours.step()
+    ours.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in params_of(ours))
 
 
 def test_a_new_parameter_group_is_stepped():
