@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 METHODS = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 BLOCK_SOURCES = ("boundary", "paper")
@@ -78,8 +78,7 @@ def recomputed_read(values: Tensor, query: Tensor, norm_weight: Tensor, eps: flo
     themselves are kept whatever the choice. The reference's read in a compiled graph (DepthState.read): at 12
     layers of delta it cut what the compiled whole forward keeps for the backward by a third (14.0 -> 9.2 MB at
     2 x 32 tokens, d = 64), and the host's calls a step with it (docs/kernels.md#host-time); the same values."""
-    return torch.utils.checkpoint.checkpoint(depth_read, values, query, norm_weight, eps, use_reentrant=False,
-                                             preserve_rng_state=False)
+    return checkpoint(depth_read, values, query, norm_weight, eps, use_reentrant=False, preserve_rng_state=False)
 
 
 @dataclass
