@@ -8,8 +8,8 @@ lists of parameters and of their state, grouped as torch groups them, are built 
 a step reads only the gradients, then calls the same kernels with the same arguments in the same order as torch:
 the same numbers bit for bit (tests/test_adamw.py); zero_grad drops the gradients along the same lists.
 
-The lists are dropped whenever they could be stale: a load_state_dict (the state's tensors are new), a new
-parameter group, or a step on which some parameter has no gradient (torch's step then runs, skipping it).
+The lists are dropped whenever they could be stale: a load_state_dict (the state's tensors are new) or a new
+parameter group. A step or a clipping on which some parameter has no gradient is torch's (which skips it).
 Everything that is not a fused step (adamw="loop", amsgrad, a closure) is torch's own step.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ def gradients(params: list[Tensor]) -> list[Tensor] | None:
 
 
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW; its fused step and clip_grad_norm from lists kept between steps (the module's doc)."""
+    """torch.optim.AdamW; its fused step, zero_grad and clip_grad_norm from lists kept between steps (the module's
+    doc)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
