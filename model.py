@@ -45,19 +45,21 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape (T, head_dim), fp32, in Hugging Face's half-split layout. Computed per forward (it
-    is tiny) so a model built on the meta device needs no buffer re-initialisation."""
+    """cos and signed sin of shape (T, head_dim), fp32, in Hugging Face's half-split layout; the sine's first half
+    is negated, for apply_rope. Computed per forward (it is tiny) so a model built on the meta device needs no
+    buffer re-initialisation."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)                                                   # (T, hd)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    return emb.cos(), torch.cat((-sin[:, :head_dim // 2], sin[:, head_dim // 2:]), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, hd): rotate pairs (i, i + hd/2) by position-dependent angles."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x (B, H, T, hd): rotate pairs (i, i + hd/2) by position-dependent angles, x cos + (-x2, x1) sin, with
+    (-x2, x1) sin written as roll(x, hd/2) times the signed sine: the same values bit for bit, without a
+    concatenation per call, for which a compiled graph makes two views a call on the host."""
+    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin).to(x.dtype)
 
 
 class KVCache:

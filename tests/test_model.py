@@ -279,6 +279,25 @@ def test_zero_query_paper_sources_are_not_near_identity(n_blocks):
     assert rel_diff(model(idx), base(idx)) > 5e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_hugging_faces_rotation_bit_for_bit(dtype):
+    """apply_rope's roll with the signed sine gives x cos + rotate_half(x) sin, Hugging Face's form with
+    rotate_half(x) = (-x2, x1), exactly: (-a) b and a (-b) are the same float, forward and backward."""
+    from model import apply_rope, rope_cos_sin
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 24, 2).float() / 24))          # Hugging Face's default RoPE
+    emb = torch.outer(torch.arange(13).float(), inv_freq).repeat(1, 2)        # (T, hd)
+    cos, sin = emb.cos(), emb.sin()
+    got_cos, signed_sin = rope_cos_sin(13, 24, 1e4, torch.device("cpu"))
+    assert torch.equal(got_cos, cos) and torch.equal(signed_sin, torch.cat((-sin[:, :12], sin[:, 12:]), dim=-1))
+    x = torch.randn(2, 3, 13, 24, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)
+    got = apply_rope(x, cos, signed_sin)
+    grad = torch.randn_like(got)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    assert torch.equal(*[torch.autograd.grad(y, x, grad)[0] for y in (got, expected)])
+
+
 @pytest.mark.parametrize("routed", ALL, ids=lambda r: "-".join(map(str, r.values())))
 def test_causality(routed):
     torch.manual_seed(0)
