@@ -101,8 +101,8 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)     # (B, H, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)              # (B, Hkv, T, hd)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, signed_sin = rope
+        q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         gqa = self.n_heads != self.n_kv_heads
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -198,8 +198,8 @@ class Model(nn.Module):
         follow the cached positions (sampling); the cache grows by T."""
         h = self.embed_tokens(idx)                                              # (B, T, d)  e = h~_0
         start = cache[0].length if cache else 0                                 # absolute position of idx[:, 0]
-        cos, sin = rope_cos_sin(start + idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        rope = cos[start:], sin[start:]
+        cos, signed_sin = rope_cos_sin(start + idx.shape[1], self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        rope = cos[start:], signed_sin[start:]
         state = self.depth_state(h)                                             # holds the stream h~
         for i, layer in enumerate(self.layers):
             layer(state, rope, None if cache is None else cache[i])             # two reads, two residual adds
